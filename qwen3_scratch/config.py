@@ -1,0 +1,158 @@
+"""The model's shape and hyper-parameters, read from the checkpoint's own `config.json`.
+
+Two layouts of config.json exist in the wild and both are accepted:
+  - the Hub's Qwen3 repos (written by transformers 4.x): `rope_theta`, `rope_scaling`, `torch_dtype`;
+  - transformers 5: `rope_parameters` (holding `rope_theta` and the rope type), `dtype`.
+Anything we do not implement (another model type, another RoPE scaling, sliding-window attention)
+is refused with a ConfigError rather than silently building a different model.
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RopeScaling:
+    """YaRN: stretch RoPE to `factor` x the context the model was trained on (Qwen's long-context setting)."""
+
+    factor: float  # how much longer than the training context, e.g. 4.0 for 32k -> 128k
+    original_max_position_embeddings: int  # the context length used in pre-training
+    beta_fast: float = 32.0  # dims rotating more than this many times in the original context keep their frequency
+    beta_slow: float = 1.0  # dims rotating fewer times than this are fully interpolated
+    attention_factor: float | None = None  # scales cos/sin; None -> 0.1 * ln(factor) + 1, as the paper suggests
+    truncate: bool = True  # round the ramp's bounds to whole dims, as transformers does
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int = 151936  # V: rows of the embedding table
+    hidden_size: int = 1024  # C: width of the residual stream
+    intermediate_size: int = 3072  # width of the SwiGLU MLP
+    num_hidden_layers: int = 28  # L: decoder blocks
+    num_attention_heads: int = 16  # H: query heads
+    num_key_value_heads: int = 8  # K: key/value heads; H // K query heads share each (GQA)
+    head_dim: int = 128  # D: its own field; Qwen3 does not use hidden_size // heads (1024 / 16 = 64 != 128)
+    max_position_embeddings: int = 40960  # the longest sequence the model is configured for
+    rope_theta: float = 1_000_000.0  # RoPE base: larger -> slower-rotating low frequencies
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE; else YaRN
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True  # lm_head reuses embed_tokens' matrix (the small models)
+    attention_bias: bool = False  # Qwen3 has no biases in q/k/v/o (Qwen2 had them)
+    torch_dtype: str = "bfloat16"  # the dtype the checkpoint is stored in
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.torch_dtype]
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def from_json(cls, path) -> "Qwen3Config":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ConfigError(f"{path}: not found; a checkpoint folder needs the config.json it was saved with")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e}); re-download the checkpoint") from e
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "Qwen3Config":
+        if raw.get("model_type") != "qwen3":
+            raise ConfigError(
+                f"{source}: model_type is {raw.get('model_type')!r}; qwen3-scratch implements only 'qwen3' "
+                "(dense Qwen3, 0.6B to 32B)"
+            )
+        if raw.get("use_sliding_window"):
+            raise ConfigError(f"{source}: use_sliding_window=true is not implemented; Qwen3 ships it false")
+        try:
+            rope_theta, rope_scaling = _read_rope(raw)
+            eos = raw.get("eos_token_id")
+            config = cls(
+                vocab_size=raw["vocab_size"],
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"],
+                num_attention_heads=raw["num_attention_heads"],
+                num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+                max_position_embeddings=raw["max_position_embeddings"],
+                rope_theta=float(rope_theta),
+                rope_scaling=rope_scaling,
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                tie_word_embeddings=raw.get("tie_word_embeddings", False),
+                attention_bias=raw.get("attention_bias", False),
+                torch_dtype=_read_dtype(raw),
+                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+                bos_token_id=raw.get("bos_token_id"),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing key {e.args[0]!r}; is this a Qwen3 config.json?") from e
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from e
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ConfigError(f"{source}: hidden_act {hidden_act!r} is not implemented; Qwen3 uses 'silu'")
+        return config
+
+
+def _read_dtype(raw: dict) -> str:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; expected one of {sorted(DTYPES)}")
+    return name
+
+
+def _read_rope(raw: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, yarn settings or None) from either config layout."""
+    if "rope_parameters" in raw and raw["rope_parameters"] is not None:  # transformers 5
+        params = dict(raw["rope_parameters"])
+        theta = params.pop("rope_theta", raw.get("rope_theta", 10_000.0))
+    else:  # the Hub's layout
+        params = dict(raw.get("rope_scaling") or {})
+        theta = raw.get("rope_theta", 10_000.0)
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise ConfigError(f"rope type {rope_type!r} is not implemented; supported: 'default', 'yarn'")
+    if "factor" not in params or "original_max_position_embeddings" not in params:
+        raise ConfigError("yarn rope scaling needs 'factor' and 'original_max_position_embeddings'")
+    if params.get("mscale") or params.get("mscale_all_dim"):
+        raise ConfigError("yarn with mscale/mscale_all_dim (DeepSeek style) is not implemented")
+    scaling = RopeScaling(
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+        truncate=params.get("truncate", True),
+    )
+    if not (scaling.factor >= 1.0 and math.isfinite(scaling.factor)):
+        raise ConfigError(f"yarn factor must be >= 1, got {scaling.factor}")
+    return theta, scaling

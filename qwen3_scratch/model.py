@@ -1,0 +1,160 @@
+"""Qwen3, top to bottom: embedding -> L x (attention + SwiGLU MLP) -> norm -> lm_head -> logits.
+
+Module and parameter names equal the checkpoint's keys (`model.layers.0.self_attn.q_norm.weight`),
+so loading is a loop over names. The order of operations follows transformers' modeling_qwen3.py,
+which is our numerical oracle: same ops in the same dtypes give the same bf16 logits, not just
+close ones.
+
+Shapes: B batch, T tokens in this forward, S key slots attended, C hidden_size, H query heads,
+K kv heads, D head_dim, F intermediate_size, V vocab_size.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import Qwen3Config
+from .kv_cache import KVCache, attention_mask
+from .rope import apply_rope, rope_tables
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight: LayerNorm without the mean and the bias."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()  # the mean of squares overflows/underflows in bf16, so normalise in fp32
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back *before* multiplying by the weight: that is the order Qwen3 was trained with,
+        # and the order transformers uses, so bf16 results match bit for bit.
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3's "q/k-norm")."""
+
+    def __init__(self, config: Qwen3Config, layer_index: int):
+        super().__init__()
+        C, H, K, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.layer_index, self.n_heads, self.n_kv_heads, self.head_dim = layer_index, H, K, D
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(C, H * D, bias=bias)  # 0.6B: 1024 -> 2048, wider than the residual
+        self.k_proj = nn.Linear(C, K * D, bias=bias)
+        self.v_proj = nn.Linear(C, K * D, bias=bias)
+        self.o_proj = nn.Linear(H * D, C, bias=bias)
+        # Normalising each head's q and k bounds the attention logits, which keeps training stable.
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, cache_slots=None):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))  # (B, T, H, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, K, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # norm first, then rotate
+        if cache is not None:
+            k, v = cache.update(self.layer_index, k, v, cache_slots)  # (B, K, S, D)
+        # No mask means plain causal over these T tokens, which is what is_causal=True does.
+        # enable_gqa lets each group of H/K query heads read its shared kv head without copying it.
+        # SDPA computes the softmax in fp32 even for bf16 inputs.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.o_proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); the gate decides, per channel, how much of up passes."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        C, Fi = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(C, Fi, bias=False)
+        self.up_proj = nn.Linear(C, Fi, bias=False)
+        self.down_proj = nn.Linear(Fi, C, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, F) -> (B, T, C)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: Qwen3Config, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_slots)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    """The transformer body: token ids (B, T) -> final hidden states (B, T, C)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            # One matrix both maps ids to vectors and scores vectors against every id.
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # cos/sin for every position, computed once; not saved with the weights.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def build_rope_tables(self, device=None, dtype=None):
+        """Fill the cos/sin tables (fp32 maths, then cast to the activation dtype, as transformers does)."""
+        cos, sin = rope_tables(self.config, device)
+        dtype = dtype or self.model.embed_tokens.weight.dtype
+        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_slots: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, V), or (B, 1, V) with last_only.
+
+        position_ids (B, T): each token's RoPE position; default 0..T-1 (left-padded rows start later).
+        mask (B, 1, T, S) bool: which keys each query may see; default causal over the T tokens.
+        cache: write this forward's keys/values at cache_slots (T,) and attend over all cache slots;
+            the mask defaults to causal-by-slot over the cache's valid slots.
+        """
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        if cache is not None:
+            if cache_slots is None:
+                cache_slots = position_ids[0]
+            if mask is None:
+                mask = attention_mask(cache_slots, cache.key_valid)
+        cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]  # (B, T, D) each
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, cache, cache_slots)
+        if last_only:
+            x = x[:, -1:, :]  # (B, 1, C): generation only needs the next token's scores
+        return self.lm_head(self.model.norm(x))  # (B, T, V)

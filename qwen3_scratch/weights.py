@@ -1,0 +1,196 @@
+"""Load a Hugging Face Qwen3 checkpoint straight into our model.
+
+The model is built on the `meta` device (shapes only, no memory), then each tensor is read from its
+safetensors shard directly into its final tensor: one read per tensor, no mmap'd second copy, no
+full fp32 copy of the model in RAM. Everything is checked *before* any data is read (every shard
+present and whole, every parameter named exactly once, shapes and dtypes as config.json says), so a
+bad checkpoint fails with one CheckpointError naming the file and the tensor, never half-loaded.
+
+A safetensors file is: 8 bytes (little-endian u64 N), N bytes of JSON header
+{name: {"dtype", "shape", "data_offsets": [begin, end]}}, then the raw tensor bytes.
+"""
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import DTYPES, Qwen3Config
+from .errors import CheckpointError
+from .model import Qwen3
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+LFS_POINTER_PREFIX = b"version https://git-lfs"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass
+class TensorEntry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
+    """Parse and validate one shard's header; nothing of the tensor data is read."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if head.startswith(LFS_POINTER_PREFIX[:8]) and (head + f.read(100)).startswith(LFS_POINTER_PREFIX):
+                raise CheckpointError(
+                    f"{file}: is a git-LFS pointer, not the weights; download the real file "
+                    "(huggingface_hub or `git lfs pull`)"
+                )
+            if len(head) < 8:
+                raise CheckpointError(f"{file}: truncated ({size} bytes); delete it and download it again")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(f"{file}: not a safetensors file (bad header length); download it again")
+            header = json.loads(f.read(header_len))
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read ({e.strerror}); check the path and permissions") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: corrupt safetensors header; download it again") from e
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    return {name: _entry(file, name, info, data_start, size) for name, info in header.items()}
+
+
+def _entry(file: Path, name: str, info: dict, data_start: int, file_size: int) -> TensorEntry:
+    if info.get("dtype") not in SAFETENSORS_DTYPES:
+        raise CheckpointError(
+            f"{file}: tensor {name} has dtype {info.get('dtype')}; only BF16/F16/F32 weights are supported "
+            "(quantized checkpoints are not)"
+        )
+    dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
+    begin, end = info["data_offsets"]
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes:
+        raise CheckpointError(f"{file}: tensor {name} header says {end - begin} bytes for shape {shape}; corrupt file")
+    if data_start + end > file_size:
+        raise CheckpointError(
+            f"{file}: truncated ({file_size} bytes, tensor {name} ends at byte {data_start + end}); "
+            "delete it and download it again"
+        )
+    return TensorEntry(file, dtype, shape, data_start + begin, nbytes)
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The shard files: those named by model.safetensors.index.json, or the single model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index (no weight_map); download it again") from e
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.exists():
+                raise CheckpointError(f"{file}: missing, but {index.name} names it; download the checkpoint again")
+        return files
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    hint = " (pytorch .bin weights are not supported)" if any(folder.glob("*.bin")) else ""
+    raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json{hint}")
+
+
+def read_checkpoint_index(folder: Path) -> dict[str, TensorEntry]:
+    """Every tensor in the checkpoint -> where it lives, checked against the index json."""
+    entries: dict[str, TensorEntry] = {}
+    for file in checkpoint_files(folder):
+        for name, entry in read_safetensors_header(file).items():
+            if name in entries:
+                raise CheckpointError(f"{file}: tensor {name} is also in {entries[name].file.name}; corrupt checkpoint")
+            entries[name] = entry
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        for name, shard in json.loads(index.read_text())["weight_map"].items():
+            if name not in entries or entries[name].file.name != shard:
+                found = entries[name].file.name if name in entries else "no shard"
+                raise CheckpointError(
+                    f"{index}: says {name} is in {shard}, but it is in {found}; download the checkpoint again"
+                )
+    return entries
+
+
+def _check_matches_model(entries: dict[str, TensorEntry], model: Qwen3, config: Qwen3Config) -> None:
+    """Every parameter present once with the config's shape and dtype; nothing unexpected."""
+    expected = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
+    for name, param in expected.items():
+        if name not in entries:
+            raise CheckpointError(f"checkpoint has no tensor {name}, which config.json implies; wrong or partial files?")
+        entry = entries[name]
+        if entry.shape != tuple(param.shape):
+            raise CheckpointError(
+                f"{entry.file}: tensor {name} has shape {list(entry.shape)} but config.json implies "
+                f"{list(param.shape)}; the config and the weights are from different models"
+            )
+        if entry.dtype != config.dtype:
+            raise CheckpointError(
+                f"{entry.file}: tensor {name} is stored as {entry.dtype} but config.json says {config.torch_dtype}"
+            )
+    unexpected = sorted(set(entries) - set(expected) - {"lm_head.weight"})
+    if unexpected:
+        raise CheckpointError(
+            f"{entries[unexpected[0]].file}: unexpected tensor {unexpected[0]} (+{len(unexpected) - 1} more); "
+            "not a Qwen3 checkpoint matching this config.json"
+        )
+    if "lm_head.weight" in entries and "lm_head.weight" not in expected:  # tied, but saved anyway
+        if entries["lm_head.weight"].shape != entries["model.embed_tokens.weight"].shape:
+            raise CheckpointError(f"{entries['lm_head.weight'].file}: lm_head.weight has the wrong shape")
+
+
+def read_tensor(entry: TensorEntry, f, device, dtype) -> torch.Tensor:
+    """Read one tensor's bytes straight into a CPU tensor, then move/cast it (a no-op if already right)."""
+    tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    f.seek(entry.start)
+    if entry.nbytes and f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != entry.nbytes:
+        raise CheckpointError(f"{entry.file}: truncated while reading; download it again")
+    return tensor.to(device=device, dtype=dtype)
+
+
+def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
+    """Build Qwen3 from a checkpoint folder; returns the model in eval mode on `device` in `dtype`."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint folder")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        dtype = DTYPES[dtype]
+    config = Qwen3Config.from_json(folder / "config.json")
+    entries = read_checkpoint_index(folder)
+    with torch.device("meta"):
+        model = Qwen3(config)
+    _check_matches_model(entries, model, config)
+    tied_head = config.tie_word_embeddings
+    params = {name: entries[name] for name, _ in model.named_parameters()}
+    if tied_head and "lm_head.weight" in entries:
+        params["lm_head.weight"] = entries["lm_head.weight"]  # read it only to check it equals the embedding
+    loaded = {}
+    for file in sorted({entry.file for entry in params.values()}):  # each shard opened once
+        with open(file, "rb") as f:
+            for name, entry in sorted(params.items(), key=lambda item: item[1].start):
+                if entry.file == file:
+                    loaded[name] = read_tensor(entry, f, device, dtype)
+    if tied_head and "lm_head.weight" in loaded:
+        if not torch.equal(loaded.pop("lm_head.weight"), loaded["model.embed_tokens.weight"]):
+            raise CheckpointError(
+                f"{entries['lm_head.weight'].file}: lm_head.weight differs from the embedding but config.json "
+                "says tie_word_embeddings=true; fix the config"
+            )
+    for name, tensor in loaded.items():
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+    if tied_head:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.build_rope_tables(device, dtype)
+    return model.eval()

@@ -1,0 +1,118 @@
+"""Random-weight Qwen3 checkpoints written by `transformers`, in the Hub's exact layout.
+
+Every test that needs a checkpoint builds one here, so the suite is hermetic: no download, and the
+reference model (`transformers`) is the one that wrote the files.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+# Small but complete: GQA (4 query heads share 2 kv heads) and head_dim (32) != hidden / heads (16),
+# so a model that derives head_dim or forgets to repeat kv heads is caught.
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rope_theta=10_000.0,
+    tie_word_embeddings=True,
+)
+
+# The exact shapes of Qwen3-0.6B (random weights).
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+
+def build_checkpoint(
+    path,
+    *,
+    dtype=torch.float32,
+    max_shard_size=None,
+    config_style="hub",
+    rope_scaling=None,
+    seed=0,
+    **overrides,
+) -> Path:
+    """Write a random Qwen3 with `transformers` and return its folder.
+
+    max_shard_size: None writes one `model.safetensors`; e.g. "100KB" writes shards plus
+        `model.safetensors.index.json`, as the Hub's larger models do.
+    config_style: "hub" rewrites config.json with the keys the Hub's Qwen3 repos use
+        (`rope_theta`, `rope_scaling`, `torch_dtype`); "transformers5" keeps what transformers 5
+        writes (`rope_parameters`, `dtype`).
+    """
+    path = Path(path)
+    kwargs = {**TINY, **overrides}
+    rope_theta = kwargs.pop("rope_theta")
+    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling is not None:
+        rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
+    config = transformers.Qwen3Config(rope_parameters=rope_parameters, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        # transformers initialises every RMSNorm weight to 1, which would hide a model that forgets
+        # to multiply by the weight (or applies it in the wrong dtype). Make them all different.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    model = model.to(dtype)
+    shard_args = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **shard_args)
+    if max_shard_size is None:
+        _merge_into_single_file(path)
+    if config_style == "hub":
+        _rewrite_config_hub_style(path / "config.json")
+    return path
+
+
+def _merge_into_single_file(path: Path) -> None:
+    """save_pretrained may still shard large models; make it exactly one model.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return
+    from safetensors.torch import load_file, save_file
+
+    weight_map = json.loads(index.read_text())["weight_map"]
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        tensors.update(load_file(path / shard))
+        (path / shard).unlink()
+    index.unlink()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _rewrite_config_hub_style(config_path: Path) -> None:
+    """Turn transformers 5's config keys into the ones the Hub's Qwen3 repos ship."""
+    config = json.loads(config_path.read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    config["torch_dtype"] = config.pop("dtype")
+    config.pop("layer_types", None)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_reference(path, dtype=torch.float32):
+    """The same checkpoint through transformers: the numerical oracle."""
+    model = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval()
