@@ -62,11 +62,11 @@ class Qwen3Config:
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
-                f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.head_dim % 2:
-            raise ConfigError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     @classmethod
     def from_json(cls, path) -> "Qwen3Config":

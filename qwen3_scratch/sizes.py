@@ -1,0 +1,56 @@
+"""The published shapes of the dense Qwen3 family, as their config.json files on the Hub give them.
+
+Used to build random checkpoints of the exact shapes (scripts/make_shape_checkpoint.py), to size the
+KV cache for every model (the notebook), and by the benchmarks. All share vocab 151936, head_dim 128,
+8 kv heads, rope_theta 1e6 and a 40960-token configured context.
+"""
+
+COMMON = dict(
+    vocab_size=151936,
+    head_dim=128,
+    num_key_value_heads=8,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+QWEN3_SIZES = {
+    # name: (hidden, layers, query heads, intermediate, tied embeddings, shards on the Hub)
+    "0.6B": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072, tie_word_embeddings=True),
+    "1.7B": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, intermediate_size=6144, tie_word_embeddings=True),
+    "4B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, intermediate_size=9728, tie_word_embeddings=True),
+    "8B": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, intermediate_size=12288, tie_word_embeddings=False),
+    "14B": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, intermediate_size=17408, tie_word_embeddings=False),
+    "32B": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, intermediate_size=25600, tie_word_embeddings=False),
+}
+
+
+def config_dict(size: str) -> dict:
+    """A Hub-layout config.json (as a dict) for one Qwen3 size."""
+    if size not in QWEN3_SIZES:
+        raise ValueError(f"unknown Qwen3 size {size!r}; choose one of {', '.join(QWEN3_SIZES)}")
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        "torch_dtype": "bfloat16",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        **COMMON,
+        **QWEN3_SIZES[size],
+    }
+
+
+def parameter_count(size: str) -> int:
+    """Parameters of one Qwen3 size (a tied lm_head counted once)."""
+    c = config_dict(size)
+    C, F, V, D = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    H, K = c["num_attention_heads"], c["num_key_value_heads"]
+    attention = C * H * D + 2 * C * K * D + H * D * C + 2 * D  # q, k, v, o and the q/k norms
+    per_layer = attention + 3 * C * F + 2 * C  # SwiGLU and two RMSNorms
+    head = 0 if c["tie_word_embeddings"] else V * C
+    return V * C + c["num_hidden_layers"] * per_layer + C + head
