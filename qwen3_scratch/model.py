@@ -126,7 +126,7 @@ class Qwen3(nn.Module):
         dtype = dtype or self.model.embed_tokens.weight.dtype
         self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -1,0 +1,172 @@
+"""The generation loop: token ids in, token ids out. It knows nothing about text.
+
+Two loops share one model:
+  - full recompute: every step runs the whole sequence again (the reference: simple, obviously right);
+  - KV cache: `prefill` runs the prompt once and fills the cache, then each `decode_step` runs only
+    the newest token against the cached keys/values.
+Both yield one (B,) tensor of token ids per step; finished rows yield -1. Several prompts run as one
+left-padded batch: each row gets its own RoPE positions and a mask that hides its padding, so a
+row's tokens are the same as if it ran alone.
+
+`python -m qwen3_scratch.generate` runs the command-line interface (cli.py).
+
+Shapes: B batch, T tokens, S cache slots, V vocab.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .errors import GenerationError
+from .kv_cache import KVCache, attention_mask
+from .model import Qwen3
+from .sampling import SamplingParams, sample
+
+
+@dataclass
+class PaddedBatch:
+    """Prompts of different lengths, left-padded so every row's newest token is in the last column."""
+
+    ids: torch.Tensor  # (B, T) token ids, pad where valid is False
+    valid: torch.Tensor  # (B, T) bool, False on padding
+    positions: torch.Tensor  # (B, T) RoPE position of each token, counted from the row's first real token
+
+    @classmethod
+    def left_pad(cls, prompts: list[list[int]], pad_id: int, device) -> "PaddedBatch":
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise GenerationError("every prompt needs at least one token (--prompt is empty)")
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+        valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
+        positions = (valid.cumsum(-1) - 1).clamp(min=0)
+        return cls(ids, valid, positions)
+
+    @property
+    def padded(self) -> bool:
+        return not bool(self.valid.all())
+
+
+def plan_new_tokens(prompt_len: int, max_new_tokens: int, context: int) -> int:
+    """How many tokens fit: a prompt that fills the context is refused, generation stops at the end."""
+    if max_new_tokens < 1:
+        raise GenerationError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if prompt_len >= context:
+        raise GenerationError(
+            f"the prompt is {prompt_len} tokens but the model's context is {context}; shorten the prompt"
+        )
+    return min(max_new_tokens, context - prompt_len)
+
+
+def prefill(model: Qwen3, batch: PaddedBatch, cache: KVCache) -> torch.Tensor:
+    """Run the prompt once, filling cache slots 0..T-1; returns the next-token logits (B, V)."""
+    T = batch.ids.shape[1]
+    cache.key_valid[:, :T] = batch.valid  # padding slots stay hidden for the whole generation
+    slots = torch.arange(T, device=batch.ids.device)
+    return model(batch.ids, batch.positions, cache=cache, cache_slots=slots, last_only=True)[:, -1]
+
+
+def decode_step(model: Qwen3, tokens, positions, cache: KVCache, slot) -> torch.Tensor:
+    """One new token per row: tokens (B, 1) at RoPE positions (B, 1), written at cache slot (1,)."""
+    return model(tokens, positions, cache=cache, cache_slots=slot, last_only=True)[:, -1]  # (B, V)
+
+
+class RecomputeLoop:
+    """Reference loop: the whole sequence goes through the model at every step."""
+
+    def __init__(self, model: Qwen3, batch: PaddedBatch):
+        self.model, self.batch = model, batch
+
+    def start(self) -> torch.Tensor:
+        ids, valid, positions = self.batch.ids, self.batch.valid, self.batch.positions
+        T = ids.shape[1]
+        mask = attention_mask(torch.arange(T, device=ids.device), valid) if self.batch.padded else None
+        return self.model(ids, positions, mask, last_only=True)[:, -1]  # (B, V)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens (B,) to every row and recompute everything."""
+        b = self.batch
+        self.batch = PaddedBatch(
+            ids=torch.cat([b.ids, tokens[:, None]], dim=1),  # (B, T+1)
+            valid=torch.cat([b.valid, torch.ones_like(b.valid[:, :1])], dim=1),
+            positions=torch.cat([b.positions, b.positions[:, -1:] + 1], dim=1),
+        )
+        return self.start()
+
+
+class CachedLoop:
+    """KV-cache loop: prefill the prompt once, then run only the newest token at each step."""
+
+    def __init__(self, model: Qwen3, batch: PaddedBatch, n_new: int, compile: bool = False):
+        B, T = batch.ids.shape
+        weight = model.lm_head.weight
+        self.model, self.batch = model, batch
+        self.cache = KVCache(model.config, B, T + n_new, weight.device, weight.dtype)
+        self.decode_step = compiled_decode_step(self.cache) if compile else decode_step
+        self.slots = torch.arange(T + n_new, device=weight.device)  # made once; each step takes a view
+        self.next_slot = T
+        self.positions = batch.positions[:, -1:].clone()  # (B, 1), advanced in place
+
+    def start(self) -> torch.Tensor:
+        return prefill(self.model, self.batch, self.cache)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.positions += 1
+        slot = self.slots[self.next_slot : self.next_slot + 1]
+        self.next_slot += 1
+        return self.decode_step(self.model, tokens[:, None], self.positions, self.cache, slot)
+
+
+def generate_tokens(
+    model: Qwen3,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(temperature=0.0),
+    eos_ids: list[int] = (),
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+    ignore_eos: bool = False,
+    pad_id: int = 0,
+    compile: bool = False,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row, (B,) on the model's device, -1 once a row has finished.
+
+    A row finishes when it emits one of eos_ids (the EOS token itself is yielded). The loop ends when
+    every row has finished, after max_new_tokens, or when the context is full.
+    """
+    device = model.lm_head.weight.device
+    batch = PaddedBatch.left_pad(prompts, pad_id, device)
+    n_new = plan_new_tokens(batch.ids.shape[1], max_new_tokens, model.config.max_position_embeddings)
+    loop = CachedLoop(model, batch, n_new, compile) if use_cache else RecomputeLoop(model, batch)
+    eos = torch.tensor(list(eos_ids), device=device, dtype=torch.long)
+    finished = torch.zeros(batch.ids.shape[0], dtype=torch.bool, device=device)
+    logits = loop.start()
+    for i in range(n_new):
+        tokens = sample(logits, sampling, generator)  # (B,)
+        yield torch.where(finished, -1, tokens)
+        if not ignore_eos and len(eos):
+            finished |= torch.isin(tokens, eos)
+            if finished.all():  # the only host sync, and only when EOS can end the loop early
+                return
+        if i + 1 < n_new:
+            logits = loop.step(tokens)
+
+
+def compiled_decode_step(cache: KVCache):
+    """decode_step compiled with CUDA graphs ("reduce-overhead"), as gpt-fast does.
+
+    Decode is memory-bound but each step is dozens of small kernels; on a GPU, launching them one by
+    one from Python costs more than running them. A CUDA graph replays the whole step with one launch.
+    The cache tensors must keep fixed addresses for that, which mark_static_address promises.
+    """
+    torch._dynamo.mark_static_address(cache.keys)
+    torch._dynamo.mark_static_address(cache.values)
+    torch._dynamo.mark_static_address(cache.key_valid)
+    mode = "reduce-overhead" if cache.keys.is_cuda else "default"
+    return torch.compile(decode_step, mode=mode, fullgraph=True)
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    raise SystemExit(main())
