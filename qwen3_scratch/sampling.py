@@ -1,0 +1,227 @@
+"""Sampling: next-token logits (B, V) -> next token ids (B,). It knows nothing about text or the model.
+
+Every function here is pure: logits in, logits (or ids) out, randomness only from an explicit
+`torch.Generator`. None of them reads a tensor value back to Python (no `.item()`, no branching on
+tensor values), so `sample` runs inside a GPU decode loop without stalling it.
+
+The filters compose in transformers' order: temperature -> top-k -> top-p -> min-p. Each returns
+logits with the tokens it removes set to -inf, so the next filter (and softmax) simply ignores them.
+Temperature 0 means greedy: argmax of the raw logits, every other setting ignored.
+
+The checkpoint's generation_config.json supplies the defaults (Qwen3 ships temperature 0.6,
+top-k 20, top-p 0.95); command-line flags override them one by one.
+
+Shapes: B batch rows, V vocab.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import GenerationError
+
+# float32 softmax + cumsum puts each cumulative probability a few ulps (~1e-7) off its exact value,
+# so a set whose true mass is exactly p can come out as p - 1ulp and drag in one more token.
+# Counting "within 1e-6 of p" as reaching p makes the boundary follow the exact arithmetic.
+_TOP_P_SLACK = 1e-6
+
+
+def _check(ok: bool, label: str, rule: str, value) -> None:
+    if not ok:
+        raise GenerationError(f"{label} must be {rule}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_temperature(value, label: str = "--temperature") -> None:
+    _check(_is_number(value) and math.isfinite(value) and value >= 0, label, "a finite number >= 0", value)
+
+
+def check_top_k(value, label: str = "--top-k") -> None:
+    _check(_is_int(value) and value >= 0, label, "an integer >= 0", value)
+
+
+def check_top_p(value, label: str = "--top-p") -> None:
+    # written as `0 < p <= 1` so that NaN fails too
+    _check(_is_number(value) and 0 < value <= 1, label, "in (0, 1]", value)
+
+
+def check_min_p(value, label: str = "--min-p") -> None:
+    # min_p = 1 would drop every token but exact ties with the top one: greedy in disguise, so refuse it
+    _check(_is_number(value) and 0 <= value < 1, label, "in [0, 1)", value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into a token. The defaults are plain sampling from softmax(logits)."""
+
+    temperature: float = 1.0  # divides the logits; 0 means greedy (argmax), the other fields ignored
+    top_k: int = 0  # keep the k highest logits (ties with the k-th all kept); 0 = off
+    top_p: float = 1.0  # keep the smallest top set whose probability reaches p (nucleus); 1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the top token's probability; 0 = off
+
+    def __post_init__(self):
+        # messages name the CLI flag, since that is where a bad value usually comes from
+        check_temperature(self.temperature)
+        check_top_k(self.top_k)
+        check_top_p(self.top_p)
+        check_min_p(self.min_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / t: t < 1 sharpens the distribution, t > 1 flattens it. t = 0 is greedy (see `sample`)."""
+    if temperature <= 0:
+        raise GenerationError(f"--temperature must be > 0 to scale logits, got {temperature!r} (0 means greedy)")
+    if temperature == 1:
+        return logits
+    return logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k highest logits per row. Like transformers, every token tied with the k-th logit is
+    kept too: a tie has no principled winner, and keeping all of them does not depend on topk's order."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[..., -1:]  # (B, 1) the k-th highest logit
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose total probability reaches p.
+
+    A token is kept when the tokens ranked above it hold less than p, so the token that crosses p is
+    kept (transformers' rule) and the top token always is. Ties are ranked by token id (stable sort),
+    so when only part of a tie fits, the lower ids are kept.
+    """
+    if p >= 1:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (B, V) each
+    probs = sorted_logits.float().softmax(dim=-1)  # (B, V), most likely first
+    mass_above = F.pad(probs.cumsum(dim=-1)[..., :-1], (1, 0))  # (B, V) probability ranked above each
+    drop_sorted = mass_above >= p - _TOP_P_SLACK
+    drop_sorted[..., 0] = False  # the top token survives even a tiny p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # (B, V) back in vocab order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x the top token's probability.
+
+    Unlike top-p, the cut scales with the model's confidence: a confident step keeps few tokens,
+    an uncertain one keeps many. The top token always survives (its ratio is 1 > min_p).
+    """
+    if min_p <= 0:
+        return logits
+    probs = logits.float().softmax(dim=-1)  # (B, V)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)  # (B, 1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """All filters in transformers' order, on float32 logits (B, V). Not for greedy params."""
+    logits = apply_temperature(logits.float(), params.temperature)
+    logits = top_k_filter(logits, params.top_k)
+    logits = top_p_filter(logits, params.top_p)
+    return min_p_filter(logits, params.min_p)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row: (B, V) logits -> (B,) long ids on the logits' device.
+
+    `generator` must live on the logits' device; None uses torch's global RNG.
+
+    The draw is an exponential race, argmax(probs / E) with E ~ Exponential(1) per token: E_i / p_i is
+    exponential with rate p_i, and the smallest of independent exponentials is token i with
+    probability p_i / sum(p). We prefer it to torch.multinomial because multinomial checks its input
+    on the host (a GPU sync every step) while the race is an elementwise op plus an argmax: no sync,
+    and it compiles into a graph. Filtered tokens have p = 0 and can never win. (Under
+    torch.compile(fullgraph=True) pass generator=None: dynamo cannot trace a Generator argument.)
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1)  # first index on ties: deterministic
+    probs = filter_logits(logits, params).softmax(dim=-1)  # (B, V) float32
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    # an exact 0 draw would turn 0 / 0 into NaN, which argmax ranks above every number
+    noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GenerationError(f"{path}: not valid JSON ({e}); fix or delete the file") from e
+    if not isinstance(raw, dict):
+        raise GenerationError(f"{path}: expected a JSON object, got {type(raw).__name__}; fix or delete the file")
+    return raw
+
+
+def _read_eos(value, path: Path) -> list[int]:
+    ids = [value] if _is_int(value) else value
+    if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+        raise GenerationError(f"{path}: eos_token_id must be an integer or a list of integers, got {value!r}")
+    return ids
+
+
+def load_generation_config(checkpoint_dir) -> dict:
+    """The checkpoint's generation defaults from generation_config.json; {} when there is none.
+
+    Returns only the keys the file sets (null counts as unset), checked and normalised:
+    temperature, top_k, top_p, min_p, do_sample (bool), eos_token_id (always list[int]),
+    max_new_tokens, max_length.
+    """
+    path = Path(checkpoint_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    raw = {key: value for key, value in _read_json(path).items() if value is not None}
+    checks = {"temperature": check_temperature, "top_k": check_top_k, "top_p": check_top_p, "min_p": check_min_p}
+    defaults: dict = {}
+    for key, check in checks.items():
+        if key in raw:
+            check(raw[key], label=f"{path}: {key}")
+            defaults[key] = raw[key]
+    for key in ("max_new_tokens", "max_length"):
+        if key in raw:
+            _check(_is_int(raw[key]) and raw[key] > 0, f"{path}: {key}", "a positive integer", raw[key])
+            defaults[key] = raw[key]
+    if "do_sample" in raw:
+        _check(isinstance(raw["do_sample"], bool), f"{path}: do_sample", "true or false", raw["do_sample"])
+        defaults["do_sample"] = raw["do_sample"]
+    if "eos_token_id" in raw:
+        defaults["eos_token_id"] = _read_eos(raw["eos_token_id"], path)
+    return defaults
+
+
+def resolve_sampling_params(
+    defaults: dict,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> SamplingParams:
+    """Flags that are not None win; otherwise the checkpoint's value; otherwise SamplingParams' default.
+
+    `do_sample: false` in the checkpoint makes greedy the default (temperature 0), as transformers
+    does; an explicit temperature flag > 0 still turns sampling on. A missing do_sample does not
+    imply greedy: the file's sampling values are used.
+    """
+    chosen = {key: defaults[key] for key in ("temperature", "top_k", "top_p", "min_p") if key in defaults}
+    if defaults.get("do_sample") is False:
+        chosen["temperature"] = 0.0
+    flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    chosen.update({key: value for key, value in flags.items() if value is not None})
+    return SamplingParams(**chosen)
