@@ -1,0 +1,190 @@
+"""Text <-> token ids for a checkpoint, and text streamed one token at a time.
+
+The BPE itself is the `tokenizers` library reading the checkpoint's `tokenizer.json`: the same Rust
+code `transformers` runs, so ids match it exactly. This module adds what lives in the other files:
+which tokens are end-of-sequence and padding (`tokenizer_config.json`), the chat template
+(`tokenizer_config.json`, or `chat_template.jinja` in newer checkpoints), and streaming decode.
+"""
+
+import json
+from pathlib import Path
+
+import tokenizers
+
+from .chat import render_chat_template
+from .errors import CheckpointError, ConfigError
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer. Qwen3 adds no BOS token: `encode` returns exactly the text's ids."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        config: dict,
+        chat_template: str | None = None,
+        template_source: str = CONFIG_FILE,
+    ):
+        """backend: the BPE; config: tokenizer_config.json's contents; template_source: for errors."""
+        self.backend = backend
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.pad_token = _token_text(config.get("pad_token"))
+        self.bos_token = _token_text(config.get("bos_token"))  # null for Qwen3
+        self.unk_token = _token_text(config.get("unk_token"))
+        self._chat_template = chat_template
+        self._template_source = template_source
+
+    @classmethod
+    def from_checkpoint(cls, path) -> "Tokenizer":
+        """Load `tokenizer.json`, `tokenizer_config.json` and the chat template from a checkpoint folder."""
+        folder = Path(path)
+        backend = _load_backend(folder / TOKENIZER_FILE)
+        config = _read_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).is_file() else {}
+        _check_added_tokens(backend, config, folder / CONFIG_FILE)
+        # transformers lets a separate chat_template.jinja win over the config's copy; so do we.
+        if (folder / TEMPLATE_FILE).is_file():
+            template = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
+            return cls(backend, config, template, str(folder / TEMPLATE_FILE))
+        template = _default_template(config.get("chat_template"))
+        return cls(backend, config, template, f"{folder / CONFIG_FILE} (chat_template)")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`. Control tokens written in the text (e.g. <|im_start|>) become their ids."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; skip_special_tokens drops <|im_end|> and friends (not <think>, which is not special)."""
+        # int() so a list of 0-d tensors, or a 1-d tensor, works as well as a list of ints.
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.token_to_id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return None if self.pad_token is None else self.token_to_id(self.pad_token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce, added tokens included (transformers' `len(tokenizer)`).
+
+        The model's embedding usually has more rows (Qwen3: 151669 tokens, 151936 rows).
+        """
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = True, **extra
+    ) -> str:
+        """The prompt text for `messages`, as the checkpoint's chat template writes it (not tokenized)."""
+        if self._chat_template is None:
+            raise ConfigError(f"{self._template_source}: this checkpoint has no chat template; "
+                              f"add one to {CONFIG_FILE} or {TEMPLATE_FILE}, or prompt with plain text")
+        # The template sees the special tokens by name, as in transformers (which passes only those set).
+        tokens = {"pad_token": self.pad_token, "unk_token": self.unk_token, **extra}
+        return render_chat_template(
+            self._chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            template_source=self._template_source,
+            **tokens,
+        )
+
+
+class StreamingDetokenizer:
+    """Turns generated ids into text as they arrive, without ever emitting half a character.
+
+    Byte-level BPE can split one character over several tokens (a Chinese character is 3 UTF-8
+    bytes, an emoji 4), and decoding an incomplete character gives U+FFFD. So each step decodes a
+    short window of recent tokens and emits only the new text, waiting while it ends in U+FFFD.
+    The window starts at a character boundary, which makes its text a true suffix of the full
+    decode; its length stays around two tokens, so each step costs O(1), not O(sequence).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._window: list[int] = []  # tokens from the last character boundary already emitted behind
+        self._emitted = 0  # how many tokens of the window have had their text emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is still partial)."""
+        self._window.append(int(token_id))
+        before = self._decode(self._window[: self._emitted])
+        text = self._decode(self._window)
+        if text.endswith("\ufffd") or len(text) <= len(before):
+            return ""
+        # Keep the tokens just emitted as context: a decoder may treat a token differently at the
+        # start of a text (e.g. a leading space), so the next window must not start cold.
+        self._window = self._window[self._emitted:]
+        self._emitted = len(self._window)
+        return text[len(before):]
+
+    def flush(self) -> str:
+        """Return whatever text is left, even an incomplete character (as U+FFFD, like `decode`)."""
+        before = self._decode(self._window[: self._emitted])
+        text = self._decode(self._window)
+        self._window, self._emitted = [], 0
+        return text[len(before):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+
+def _load_backend(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found; a checkpoint folder needs its {TOKENIZER_FILE} "
+                              "(download the full repo, not only the weights)")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # the Rust parser raises a bare Exception
+        reason = " ".join(str(error).split())
+        raise CheckpointError(f"{path}: cannot be read as a tokenizer ({reason}); download it again") from error
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error}); download it again") from error
+
+
+def _check_added_tokens(backend: tokenizers.Tokenizer, config: dict, path: Path) -> None:
+    """The ids in `added_tokens_decoder` must be the ids tokenizer.json gives those tokens.
+
+    A mismatch means the two files come from different checkpoints; generation would then stop
+    on the wrong token, so refuse to load rather than produce quiet nonsense.
+    """
+    for id_text, token in config.get("added_tokens_decoder", {}).items():
+        content = _token_text(token)
+        actual = backend.token_to_id(content)
+        if actual != int(id_text):
+            raise CheckpointError(f"{path}: added token {content!r} has id {id_text} but {TOKENIZER_FILE} "
+                                  f"gives {actual}; the two files are from different checkpoints")
+
+
+def _token_text(token) -> str | None:
+    # Older configs store a token as a serialized AddedToken: {"content": "<|im_end|>", ...}.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _default_template(template) -> str | None:
+    # A config may hold several named templates ([{"name": "default", "template": ...}, ...]).
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default")
+    return template
