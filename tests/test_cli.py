@@ -1,0 +1,163 @@
+"""The command line: streams text, prints honest stats, and turns every bad input into one line + exit 2."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from make_tiny_checkpoint import make_tiny_checkpoint
+from qwen3_scratch.cli import main
+from qwen3_scratch.pipeline import GenerationRequest, Pipeline
+from qwen3_scratch.tokenizer import Tokenizer
+from qwen3_scratch.weights import load_model
+
+STATS_KEYS = [
+    "prompt_tokens", "generated_tokens", "elapsed_seconds", "tokens_per_second", "ttft_seconds",
+    "decode_tokens_per_second", "device", "dtype", "peak_memory_mb", "bandwidth_util",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "tiny-qwen3")
+
+
+def cli(capsys, *args):
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse's own errors (a flag of the wrong type) exit from parse_args
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2, f"bad input must exit 2, got {code}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} missing from: {lines[0]}"
+
+
+def test_greedy_cli_output_equals_the_python_api(tiny, capsys):
+    code, out, err = cli(capsys, "--model", tiny, "--prompt", "Hello there", "--temperature", "0",
+                         "--max-new-tokens", "20")  # fmt: skip
+    assert code == 0, err
+    pipe = Pipeline(load_model(tiny), Tokenizer.from_checkpoint(tiny), tiny)
+    expected = pipe.generate(["Hello there"], GenerationRequest(max_new_tokens=20, temperature=0))[0]
+    assert out == expected + "\n"
+
+
+def test_stats_line_goes_to_stderr_as_key_value_pairs(tiny, capsys):
+    code, out, err = cli(capsys, "--model", tiny, "--prompt", "Hi", "--max-new-tokens", "8", "--ignore-eos",
+                         "--show-stats", "--seed", "1")  # fmt: skip
+    assert code == 0
+    pairs = dict(item.split("=", 1) for item in err.strip().splitlines()[-1].split())
+    assert list(pairs) == STATS_KEYS
+    assert pairs["generated_tokens"] == "8", "--ignore-eos must generate exactly --max-new-tokens"
+    assert pairs["device"] == "cpu" and pairs["dtype"] == "float32"
+    assert float(pairs["tokens_per_second"]) > 0 and 0 < float(pairs["bandwidth_util"]) < 10
+
+
+def test_kv_cache_and_recompute_print_the_same_greedy_text(tiny, capsys):
+    base = ["--model", tiny, "--prompt", "Tell me", "--temperature", "0", "--max-new-tokens", "16"]
+    _, cached, _ = cli(capsys, *base)
+    _, recomputed, _ = cli(capsys, *base, "--no-kv-cache")
+    assert cached == recomputed
+
+
+def test_same_seed_same_text(tiny, capsys):
+    base = ["--model", tiny, "--prompt", "Once", "--temperature", "1.0", "--max-new-tokens", "16"]
+    assert cli(capsys, *base, "--seed", "3")[1] == cli(capsys, *base, "--seed", "3")[1]
+
+
+def test_batch_of_prompts_equals_each_prompt_alone(tiny, capsys, tmp_path):
+    prompts = ["first prompt", "a second, longer prompt than the first one"]
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(prompts) + "\n\n")
+    code, out, _ = cli(capsys, "--model", tiny, "--prompts-file", file, "--temperature", "0", "--max-new-tokens", "12")
+    assert code == 0
+    for prompt in prompts:
+        _, alone, _ = cli(capsys, "--model", tiny, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12")
+        assert alone.rstrip("\n") in out, f"batched output for {prompt!r} differs from running it alone"
+
+
+def test_raw_prompt_without_chat_template(tiny, capsys):
+    base = ["--model", tiny, "--prompt", "abc", "--max-new-tokens", "6", "--temperature", "0", "--ignore-eos"]
+    code, raw, _ = cli(capsys, *base, "--no-chat")
+    assert code == 0
+    pipe = Pipeline(load_model(tiny), Tokenizer.from_checkpoint(tiny), tiny)
+    request = GenerationRequest(max_new_tokens=6, temperature=0, ignore_eos=True)
+    assert raw == "".join(pipe.stream("abc", request, chat=False)) + "\n"
+    assert raw != cli(capsys, *base)[1], "with the chat template the model sees a different prompt"
+
+
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--temperature", "-1"], ["--temperature"]),
+        (["--top-p", "1.5"], ["--top-p"]),
+        (["--top-p", "0"], ["--top-p"]),
+        (["--top-k", "-3"], ["--top-k"]),
+        (["--min-p", "2"], ["--min-p"]),
+        (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+        (["--temperature", "hot"], ["--temperature"]),
+    ],
+)
+def test_impossible_settings_are_one_line_errors(tiny, capsys, flags, needles):
+    code, _, err = cli(capsys, "--model", tiny, "--prompt", "x", *flags)
+    assert_one_line_error(code, err, *needles)
+
+
+def test_missing_folder_is_a_one_line_error(capsys, tmp_path):
+    code, _, err = cli(capsys, "--model", tmp_path / "nope", "--prompt", "x")
+    assert_one_line_error(code, err, "nope")
+
+
+def test_corrupt_shard_is_a_one_line_error(tiny, capsys, tmp_path):
+    broken = shutil.copytree(tiny, tmp_path / "broken")
+    shard = sorted(broken.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    code, _, err = cli(capsys, "--model", broken, "--prompt", "x")
+    assert_one_line_error(code, err, shard.name, "truncated")
+
+
+def test_prompt_longer_than_the_context_is_a_one_line_error(tiny, capsys):
+    context = json.loads((tiny / "config.json").read_text())["max_position_embeddings"]
+    code, _, err = cli(capsys, "--model", tiny, "--prompt", "word " * (context + 10), "--no-chat")
+    assert_one_line_error(code, err, "context", "shorten the prompt")
+
+
+def test_no_network_is_a_one_line_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
+    code, _, err = cli(capsys, "--model", "Qwen/Qwen3-0.6B", "--weights-dir", tmp_path, "--prompt", "x")
+    assert_one_line_error(code, err, "Qwen/Qwen3-0.6B")
+
+
+def test_local_files_only_never_downloads(capsys, tmp_path):
+    code, _, err = cli(capsys, "--model", "Qwen/Qwen3-0.6B", "--weights-dir", tmp_path, "--local-files-only",
+                       "--prompt", "x")  # fmt: skip
+    assert_one_line_error(code, err, "Qwen/Qwen3-0.6B", "--local-files-only")
+
+
+def test_no_prompt_is_a_one_line_error(tiny, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))
+    code, _, err = cli(capsys, "--model", tiny)
+    assert_one_line_error(code, err, "--prompt")
+
+
+def test_module_entry_point_streams_from_stdin(tiny):
+    """The real command, as a user types it: `python -m qwen3_scratch.generate`, prompt on stdin."""
+    result = subprocess.run(
+        [sys.executable, "-m", "qwen3_scratch.generate", "--model", str(tiny), "--max-new-tokens", "5",
+         "--temperature", "0", "--show-stats"],
+        input="Hello from stdin", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "generated_tokens=" in result.stderr
+    assert result.stdout.endswith("\n")
