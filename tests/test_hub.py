@@ -1,0 +1,374 @@
+"""resolve_checkpoint and verify_checkpoint against a fake Hugging Face Hub on 127.0.0.1.
+
+The fake Hub serves a folder written by `build_checkpoint` through the few endpoints huggingface_hub's
+`snapshot_download` calls, and records every request, so the tests can say exactly what was fetched.
+Nothing here reaches the real Hub.
+"""
+
+import errno
+import hashlib
+import json
+import re
+import shutil
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import torch
+from huggingface_hub import constants
+from transformers import AutoModelForCausalLM
+
+from checkpoints import build_checkpoint, load_reference
+from qwen3_scratch.errors import CheckpointError, HubError
+from qwen3_scratch.hub import resolve_checkpoint, verify_checkpoint
+
+REPO = "fake-org/tiny-qwen3"
+GATED = "fake-org/gated-qwen3"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+# Files a real Qwen repo ships that the model never reads: they must not be downloaded.
+UNNEEDED = ["pytorch_model.bin", "original/consolidated.00.pth", "original/params.json"]
+
+
+class FakeHub(BaseHTTPRequestHandler):
+    """Model info, tree listing and /resolve/ (HEAD, GET, Range) for the repos in `self.server.repos`."""
+
+    def log_message(self, *args):  # keep pytest's output clean
+        pass
+
+    def do_HEAD(self):
+        self._answer(body=False)
+
+    def do_GET(self):
+        self._answer(body=True)
+
+    def _answer(self, body):
+        path = unquote(urlsplit(self.path).path)
+        self.server.requests.append((self.command, path))
+        # Model info is /api/models/{repo} (default branch) or .../revision/{rev}; the listing is .../tree/{rev}.
+        if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?", path):
+            repo, endpoint, revision = m.groups()
+            if self._repo_and_revision_exist(repo, revision or "main"):
+                listing = self._tree(repo) if endpoint == "tree" else {"id": repo, "sha": COMMIT}
+                self._send(200, {"Content-Type": "application/json"}, json.dumps(listing).encode(), body)
+        elif m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
+            repo, revision, filename = m.groups()
+            if self._repo_and_revision_exist(repo, revision):
+                self._send_file(repo, filename, body)
+        else:
+            self._send(404, {}, b"", body)
+
+    def _repo_and_revision_exist(self, repo, revision):
+        if repo not in self.server.repos:
+            self._send(404, {"X-Error-Code": "RepoNotFound"}, b"", body=False)
+        elif revision not in ("main", COMMIT):
+            self._send(404, {"X-Error-Code": "RevisionNotFound"}, b"", body=False)
+        else:
+            return True
+        return False
+
+    def _tree(self, repo):
+        folder = self.server.repos[repo]
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        return [
+            {"type": "file", "path": p.relative_to(folder).as_posix(), "size": p.stat().st_size, "oid": "0" * 40}
+            for p in files
+        ]
+
+    def _send_file(self, repo, filename, body):
+        if repo == GATED:  # the real Hub lists a gated repo's files but refuses to serve them
+            return self._send(401, {"X-Error-Code": "GatedRepo"}, b"", body=False)
+        file = self.server.repos[repo] / filename
+        if not file.is_file():
+            return self._send(404, {"X-Error-Code": "EntryNotFound"}, b"", body=False)
+        data = file.read_bytes()
+        if self.command == "GET" and filename in self.server.cut_once:  # the connection drops mid-file
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[: self.server.cut_once.pop(filename)])
+            return
+        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Accept-Ranges": "bytes"}
+        start = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
+        if start:  # huggingface_hub resumes a broken transfer with "Range: bytes=N-"
+            self.server.ranges.append(f"{filename}: {start.group(0)}")
+            first = int(start.group(1))
+            headers["Content-Range"] = f"bytes {first}-{len(data) - 1}/{len(data)}"
+            return self._send(206, headers, data[first:], body)
+        self._send(200, headers, data, body)
+
+    def _send(self, status, headers, data, body):
+        self.send_response(status)
+        for key, value in {**headers, "Content-Length": str(len(data))}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+
+class FakeHubServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # snapshot_download opens 8 connections at once; the default backlog of 5 drops some, and the kernel
+    # retries them only after a second.
+    request_queue_size = 64
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """The repo's files: a sharded tiny Qwen3, tokenizer-ish files, and files we must not download."""
+    folder = build_checkpoint(tmp_path_factory.mktemp("hub") / "tiny-qwen3", max_shard_size="40KB")
+    for name in ["tokenizer.json", "tokenizer_config.json", "vocab.json"]:
+        (folder / name).write_text("{}")
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "LICENSE").write_text("Apache-2.0\n")
+    for name in UNNEEDED:
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_bytes(b"not needed" * 100)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def hermetic_hf(tmp_path, monkeypatch):
+    """Keep huggingface_hub away from the user's cache, token and offline setting (read once at import)."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+
+
+@pytest.fixture
+def hub(source):
+    """A running fake Hub; `hub.url` is its endpoint, `hub.requests` the (method, path) it received."""
+    server = FakeHubServer(("127.0.0.1", 0), FakeHub)
+    server.repos = {REPO: source, GATED: source}
+    server.requests = []
+    server.cut_once = {}  # filename -> bytes sent before the connection drops, once
+    server.ranges = []
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    # A short poll interval so that shutdown() returns at once rather than after the default 0.5 s.
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def download(hub, weights, **kwargs):
+    return resolve_checkpoint(REPO, weights, endpoint=hub.url, progress=False, **kwargs)
+
+
+def file_gets(hub):
+    return [path for method, path in hub.requests if method == "GET" and "/resolve/" in path]
+
+
+def files_in(folder):
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+def shards(folder):
+    return sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))
+
+
+def test_download_fetches_only_needed_files_and_loads_in_transformers(hub, source, tmp_path):
+    folder = download(hub, tmp_path / "weights")
+    assert folder == tmp_path / "weights" / "tiny-qwen3", "a Hub id downloads into weights_dir/<name>"
+    downloaded = files_in(folder) - {p for p in files_in(folder) if p.startswith(".cache/")}  # hf's bookkeeping
+    wanted = files_in(source) - set(UNNEEDED)
+    assert downloaded == wanted, f"unexpected {downloaded - wanted}, missing {wanted - downloaded}"
+    assert len(shards(folder)) > 1, "the test checkpoint should be sharded"
+    for name in wanted:
+        assert (folder / name).read_bytes() == (source / name).read_bytes(), f"{name} differs from the Hub's"
+    ours = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    reference = load_reference(source).state_dict()
+    assert ours.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.equal(ours[key], tensor), f"{key} differs after the download"
+
+
+def test_second_resolve_downloads_nothing(hub, tmp_path):
+    download(hub, tmp_path)
+    first = len(file_gets(hub))
+    download(hub, tmp_path)
+    assert len(file_gets(hub)) == first, f"re-downloaded {file_gets(hub)[first:]}"
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "lfs-pointer"])
+def test_damaged_shard_is_fetched_again(hub, tmp_path, damage):
+    folder = download(hub, tmp_path)
+    shard = folder / shards(folder)[-1]
+    original = shard.read_bytes()
+    if damage == "delete":
+        shard.unlink()
+    elif damage == "truncate":
+        shard.write_bytes(original[: len(original) // 2])
+    else:
+        shard.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
+    before = len(file_gets(hub))
+    assert download(hub, tmp_path) == folder
+    assert shard.read_bytes() == original, f"{shard.name} was not repaired"
+    assert file_gets(hub)[before:] == [f"/{REPO}/resolve/{COMMIT}/{shard.name}"], "only the damaged shard is fetched"
+
+
+def test_transfer_cut_mid_file_resumes_with_a_range_request(hub, source, tmp_path):
+    # huggingface_hub reads in DOWNLOAD_CHUNK_SIZE (10 MiB) pieces and can resume only after a whole one, so
+    # the cut file must be bigger than that: a tokenizer.json of Qwen's real size (11 MiB) is.
+    repo = tmp_path / "big-tokenizer"
+    shutil.copytree(source, repo)
+    chunk = constants.DOWNLOAD_CHUNK_SIZE
+    (repo / "tokenizer.json").write_bytes(b"{" + b" " * (chunk + 2**20) + b"}")
+    hub.repos["fake-org/big-tokenizer"] = repo
+    hub.cut_once["tokenizer.json"] = chunk + 2**19
+    folder = resolve_checkpoint("fake-org/big-tokenizer", tmp_path / "weights", endpoint=hub.url, progress=False)
+    assert (folder / "tokenizer.json").read_bytes() == (repo / "tokenizer.json").read_bytes()
+    assert hub.ranges == [f"tokenizer.json: bytes={chunk}-"], "the retry should ask only for what is missing"
+
+
+def test_local_files_only_names_the_damaged_shard(hub, tmp_path):
+    folder = download(hub, tmp_path)
+    shard = folder / shards(folder)[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    requests = len(hub.requests)
+    with pytest.raises(CheckpointError, match=re.escape(shard.name) + ".*without --local-files-only"):
+        download(hub, tmp_path, local_files_only=True)
+    assert len(hub.requests) == requests, "local_files_only must not touch the network"
+
+
+def test_local_files_only_uses_a_complete_download_without_network(hub, tmp_path):
+    folder = download(hub, tmp_path)
+    requests = len(hub.requests)
+    assert download(hub, tmp_path, local_files_only=True) == folder
+    assert len(hub.requests) == requests, "local_files_only must not touch the network"
+
+
+def test_local_files_only_without_a_download_says_to_download(hub, tmp_path):
+    with pytest.raises(HubError, match=f"{REPO} is not in .*tiny-qwen3; run without --local-files-only"):
+        download(hub, tmp_path, local_files_only=True)
+    assert hub.requests == [], "local_files_only must not touch the network"
+
+
+def test_hf_hub_offline_explains_itself_instead_of_failing_a_request(hub, tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubError, match=f"{REPO} is not in .*HF_HUB_OFFLINE.* is set: unset it to download it"):
+        download(hub, tmp_path)
+    assert hub.requests == []
+
+
+def test_unknown_repo_is_named_in_the_error(hub, tmp_path):
+    with pytest.raises(HubError, match="fake-org/missing was not found on the Hub: check the id"):
+        resolve_checkpoint("fake-org/missing", tmp_path, endpoint=hub.url, progress=False)
+
+
+def test_gated_repo_asks_to_accept_the_license_and_log_in(hub, tmp_path):
+    with pytest.raises(HubError, match=f"{GATED} is gated: accept its license.*hf auth login"):
+        resolve_checkpoint(GATED, tmp_path, endpoint=hub.url, progress=False)
+
+
+def test_unknown_revision_is_named_in_the_error(hub, tmp_path):
+    with pytest.raises(HubError, match="no revision 'v9' on the Hub"):
+        download(hub, tmp_path, revision="v9")
+
+
+def closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_hub_is_a_network_error_quickly(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 2)
+    start = time.monotonic()
+    with pytest.raises(HubError, match=f"could not reach the Hugging Face Hub .* {REPO} .*check the network"):
+        resolve_checkpoint(REPO, tmp_path, endpoint=f"http://127.0.0.1:{closed_port()}", progress=False)
+    assert time.monotonic() - start < 5, "a refused connection must fail fast, not retry for long"
+
+
+def test_silent_hub_times_out_instead_of_hanging(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+    with socket.socket() as silent:  # the kernel accepts the connection; nobody ever answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(HubError, match="could not reach the Hugging Face Hub .*Timeout"):
+            resolve_checkpoint(REPO, tmp_path, endpoint=endpoint, progress=False)
+    assert time.monotonic() - start < 5, "wait HF_HUB_ETAG_TIMEOUT seconds for the Hub's first answer, not forever"
+
+
+def test_full_disk_is_reported_as_a_disk_problem(hub, tmp_path, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("qwen3_scratch.hub.snapshot_download", no_space)
+    with pytest.raises(HubError, match=f"could not write {REPO} into .*No space left.*free some disk space"):
+        download(hub, tmp_path)
+
+
+def test_unreachable_hub_falls_back_to_a_complete_download(hub, tmp_path):
+    folder = download(hub, tmp_path)
+    offline = f"http://127.0.0.1:{closed_port()}"
+    assert resolve_checkpoint(REPO, tmp_path, endpoint=offline, progress=False) == folder
+
+
+def test_local_folder_is_returned_without_network(source, monkeypatch):
+    monkeypatch.setattr("qwen3_scratch.hub.snapshot_download", None)  # any download attempt would crash
+    monkeypatch.setattr("qwen3_scratch.hub.HfApi", None)
+    assert resolve_checkpoint(str(source)) == source
+
+
+@pytest.mark.parametrize("model", ["./no-such-folder", "/no/such/folder", "~/no-such-folder", "a/b/c", "tiny"])
+def test_missing_local_path_is_a_clear_error(model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=f"no checkpoint folder at {re.escape(model)}"):
+        resolve_checkpoint(model, tmp_path)
+
+
+def test_a_file_is_not_a_checkpoint_folder(source):
+    with pytest.raises(CheckpointError, match="no checkpoint folder at .*config.json"):
+        resolve_checkpoint(str(source / "config.json"))
+
+
+@pytest.fixture
+def copy_of(source, tmp_path):
+    """A writable copy of the checkpoint's config, index and shards."""
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for name in ["config.json", "model.safetensors.index.json", *shards(source)]:
+        (folder / name).write_bytes((source / name).read_bytes())
+    return folder
+
+
+def test_verify_accepts_a_complete_checkpoint(copy_of):
+    assert verify_checkpoint(str(copy_of)) == copy_of
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("missing shard", r"model-00002-of-\d+\.safetensors is missing \(named in model.safetensors.index.json\)"),
+        ("lfs pointer", r"model-00002-of-\d+\.safetensors is a git-LFS pointer"),
+        ("truncated shard", r"model-00002-of-\d+\.safetensors is truncated"),
+        ("empty shard", r"model-00002-of-\d+\.safetensors is empty"),
+        ("missing config", r"config\.json is missing"),
+        ("missing weights", r"has neither model\.safetensors nor model\.safetensors\.index\.json"),
+    ],
+)
+def test_verify_names_the_broken_file(copy_of, damage, message):
+    shard = copy_of / shards(copy_of)[1]
+    if damage == "missing shard":
+        shard.unlink()
+    elif damage == "lfs pointer":
+        shard.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
+    elif damage == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[:-1])
+    elif damage == "empty shard":
+        shard.write_bytes(b"")
+    elif damage == "missing config":
+        (copy_of / "config.json").unlink()
+    else:
+        (copy_of / "model.safetensors.index.json").unlink()
+    with pytest.raises(CheckpointError, match=message + ".*download"):
+        verify_checkpoint(copy_of)
