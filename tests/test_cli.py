@@ -70,6 +70,18 @@ def test_kv_cache_and_recompute_print_the_same_greedy_text(tiny, capsys):
     assert cached == recomputed
 
 
+def test_thinking_flag_changes_the_prompt_as_qwen3_does(tiny, capsys):
+    """--no-thinking appends Qwen3's empty <think></think> block, so the model sees 4 more tokens or so."""
+    base = ["--model", tiny, "--prompt", "Hi", "--max-new-tokens", "1", "--show-stats", "--temperature", "0"]
+    _, _, thinking = cli(capsys, *base)
+    _, _, no_thinking = cli(capsys, *base, "--no-thinking")
+
+    def prompt_tokens(err):
+        return int(err.split("prompt_tokens=")[1].split()[0])
+
+    assert prompt_tokens(no_thinking) > prompt_tokens(thinking)
+
+
 def test_same_seed_same_text(tiny, capsys):
     base = ["--model", tiny, "--prompt", "Once", "--temperature", "1.0", "--max-new-tokens", "16"]
     assert cli(capsys, *base, "--seed", "3")[1] == cli(capsys, *base, "--seed", "3")[1]

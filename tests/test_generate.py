@@ -122,3 +122,17 @@ def test_compiled_decode_matches_eager(model):
     ids = prompt(7, seed=12)
     compiled = run(model, [ids], 6, sampling=GREEDY, compile=True)[0]
     assert compiled == run(model, [ids], 6, sampling=GREEDY)[0]
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_bf16_cache_recompute_and_compiled_agree(checkpoint):
+    """On a GPU in bf16: the cached, recomputed and CUDA-graph-compiled loops give the same greedy tokens."""
+    model = load_model(checkpoint, device="cuda", dtype="bfloat16")
+    ids = prompt(21, seed=13)
+    cached = run(model, [ids], 32, sampling=GREEDY)[0]
+    assert cached == run(model, [ids], 32, sampling=GREEDY, use_cache=False)[0]
+    assert cached == run(model, [ids], 32, sampling=GREEDY, compile=True)[0]
