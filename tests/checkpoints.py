@@ -25,23 +25,6 @@ TINY = dict(
     tie_word_embeddings=True,
 )
 
-# The exact shapes of Qwen3-0.6B (random weights).
-QWEN3_0_6B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=True,
-    bos_token_id=151643,
-    eos_token_id=151645,
-)
-
-
 def build_checkpoint(
     path,
     *,
