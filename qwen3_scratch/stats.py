@@ -62,7 +62,7 @@ class GenerationStats:
             "device": self.device,
             "dtype": self.dtype,
             "peak_memory_mb": f"{self.peak_memory_bytes / 2**20:.0f}",
-            "bandwidth_util": "n/a" if self.bandwidth_util is None else f"{self.bandwidth_util:.2f}",
+            "bandwidth_util": "n/a" if self.bandwidth_util is None else f"{self.bandwidth_util:.3g}",
         }
         return " ".join(f"{k}={v}" for k, v in pairs.items())
 

@@ -76,15 +76,15 @@ y = x.view(2, 16).transpose(0, 1).contiguous()
 print(json.dumps({"name": "qwen3", "layers": 28, "heads": [16, 8]}, indent=2))
 """
 
-# Small but complete: GQA (4 query heads share 2 kv heads) and head_dim 32 != hidden / heads, like
-# Qwen3 itself (0.6B has head_dim 128 with hidden 1024 and 16 heads).
+# Small but complete: GQA (4 query heads share 2 kv heads) and head_dim 64 != hidden / heads (32), so
+# q_proj widens 128 -> 256 like Qwen3 itself (0.6B: head_dim 128 with hidden 1024 and 16 heads, 1024 -> 2048).
 SHAPES = dict(
     hidden_size=128,
     intermediate_size=384,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=32,
+    head_dim=64,
     max_position_embeddings=2048,
 )
 NUM_SHARDS = 2
