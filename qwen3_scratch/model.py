@@ -122,9 +122,8 @@ class Qwen3(nn.Module):
 
     def build_rope_tables(self, device=None, dtype=None):
         """Fill the cos/sin tables (fp32 maths, then cast to the activation dtype, as transformers does)."""
-        cos, sin = rope_tables(self.config, device)
         dtype = dtype or self.model.embed_tokens.weight.dtype
-        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
+        self.rope_cos, self.rope_sin = rope_tables(self.config, device, dtype)
 
     @torch.no_grad()
     def forward(

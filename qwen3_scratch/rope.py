@@ -59,14 +59,20 @@ def _yarn(inv_freq, pos_freqs, dim, base, scaling) -> tuple[torch.Tensor, float]
     return inv_freq, float(attention_scaling)
 
 
-def rope_tables(config: Qwen3Config, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (P, D) in float32 for every position up to max_position_embeddings, computed once."""
+def rope_tables(config: Qwen3Config, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (P, D) for every position up to max_position_embeddings, computed once.
+
+    The maths is fp32 (as transformers does it), then cast to the activation dtype. Both halves of
+    the last dim share their angles (split-half), so only (P, D/2) is computed and then duplicated.
+    """
     inv_freq, attention_scaling = inverse_frequencies(config)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-    angles = positions[:, None] * inv_freq[None, :]  # (P, D/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (P, D): split-half, both halves share angles
-    cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling
-    return cos.to(device), sin.to(device)
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+    angles = positions[:, None] * inv_freq.to(device)[None, :]  # (P, D/2)
+    tables = []
+    for f in (torch.cos, torch.sin):
+        half = (f(angles) * attention_scaling).to(dtype)  # (P, D/2)
+        tables.append(torch.cat([half, half], dim=-1))  # (P, D)
+    return tables[0], tables[1]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

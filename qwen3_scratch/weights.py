@@ -1,8 +1,10 @@
 """Load a Hugging Face Qwen3 checkpoint straight into our model.
 
-The model is built on the `meta` device (shapes only, no memory), then each tensor is read from its
-safetensors shard directly into its final tensor: one read per tensor, no mmap'd second copy, no
-full fp32 copy of the model in RAM. Everything is checked *before* any data is read (every shard
+The model is built on the `meta` device (shapes only, no memory), then each shard is memory-mapped
+and every parameter becomes a view of its bytes in the file: on CPU in the stored dtype nothing is
+copied at all (the OS pages weights in as they are used, and they count once, as page cache); for
+another dtype or a GPU each tensor is cast/copied from the mapping straight into its final place.
+Either way there is never a full second copy of the model in RAM. Everything is checked *before* any data is read (every shard
 present and whole, every parameter named exactly once, shapes and dtypes as config.json says), so a
 bad checkpoint fails with one CheckpointError naming the file and the tensor, never half-loaded.
 
@@ -148,13 +150,18 @@ def _check_matches_model(entries: dict[str, TensorEntry], model: Qwen3, config: 
             raise CheckpointError(f"{entries['lm_head.weight'].file}: lm_head.weight has the wrong shape")
 
 
-def read_tensor(entry: TensorEntry, f, device, dtype) -> torch.Tensor:
-    """Read one tensor's bytes straight into a CPU tensor, then move/cast it (a no-op if already right)."""
-    tensor = torch.empty(entry.shape, dtype=entry.dtype)
-    f.seek(entry.start)
-    if entry.nbytes and f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != entry.nbytes:
-        raise CheckpointError(f"{entry.file}: truncated while reading; download it again")
-    return tensor.to(device=device, dtype=dtype)
+def map_shard(file: Path) -> torch.Tensor:
+    """The whole file as a uint8 tensor backed by a private memory map: no bytes are read yet."""
+    storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=file.stat().st_size)
+    return torch.tensor([], dtype=torch.uint8).set_(storage)
+
+
+def tensor_from_map(shard: torch.Tensor, entry: TensorEntry, device, dtype) -> torch.Tensor:
+    """One tensor as a view of the mapped shard, then moved/cast (a no-op on CPU in the stored dtype)."""
+    raw = shard[entry.start : entry.start + entry.nbytes]
+    if entry.start % entry.dtype.itemsize:  # a view needs aligned data; safetensors aligns, but be safe
+        raw = raw.clone()
+    return raw.view(entry.dtype).view(entry.shape).to(device=device, dtype=dtype)
 
 
 def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
@@ -175,12 +182,8 @@ def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
     params = {name: entries[name] for name, _ in model.named_parameters()}
     if tied_head and "lm_head.weight" in entries:
         params["lm_head.weight"] = entries["lm_head.weight"]  # read it only to check it equals the embedding
-    loaded = {}
-    for file in sorted({entry.file for entry in params.values()}):  # each shard opened once
-        with open(file, "rb") as f:
-            for name, entry in sorted(params.items(), key=lambda item: item[1].start):
-                if entry.file == file:
-                    loaded[name] = read_tensor(entry, f, device, dtype)
+    shards = {file: map_shard(file) for file in {entry.file for entry in params.values()}}  # each opened once
+    loaded = {name: tensor_from_map(shards[entry.file], entry, device, dtype) for name, entry in params.items()}
     if tied_head and "lm_head.weight" in loaded:
         if not torch.equal(loaded.pop("lm_head.weight"), loaded["model.embed_tokens.weight"]):
             raise CheckpointError(
