@@ -173,3 +173,27 @@ def test_module_entry_point_streams_from_stdin(tiny):
     assert result.returncode == 0, result.stderr
     assert "generated_tokens=" in result.stderr
     assert result.stdout.endswith("\n")
+
+
+def test_hub_id_is_downloaded_into_weights_dir_then_generates(tiny, capsys, tmp_path, monkeypatch):
+    """The main path end to end: `--model org/name` downloads (from a fake Hub here), verifies, generates."""
+    from huggingface_hub import constants
+
+    from fake_hub import make_hf_hermetic, serve_fake_hub
+
+    make_hf_hermetic(tmp_path, monkeypatch)
+    weights = tmp_path / "weights"
+    args = ["--model", "fake-org/tiny-qwen3", "--weights-dir", weights, "--prompt", "Hi", "--temperature", "0",
+            "--max-new-tokens", "8"]  # fmt: skip
+    with serve_fake_hub({"fake-org/tiny-qwen3": tiny}) as hub:
+        # what HF_ENDPOINT=<url> sets when huggingface_hub is imported
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        code, downloaded, err = cli(capsys, *args)
+        assert code == 0, err
+        assert (weights / "tiny-qwen3" / "model.safetensors.index.json").exists()
+        _, local, _ = cli(capsys, "--model", tiny, *args[2:])
+        assert downloaded == local, "the downloaded copy must generate exactly what the source folder does"
+    code, offline, err = cli(capsys, *args, "--local-files-only")  # the Hub is gone now
+    assert code == 0, err
+    assert offline == local
