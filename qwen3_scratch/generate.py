@@ -63,12 +63,17 @@ def prefill(model: Qwen3, batch: PaddedBatch, cache: KVCache) -> torch.Tensor:
     T = batch.ids.shape[1]
     cache.key_valid[:, :T] = batch.valid  # padding slots stay hidden for the whole generation
     slots = torch.arange(T, device=batch.ids.device)
-    return model(batch.ids, batch.positions, cache=cache, cache_slots=slots, last_only=True)[:, -1]
+    mask = attention_mask(slots, cache.key_valid[:, :T])  # (B, 1, T, T): the prompt sees only itself
+    return model(batch.ids, batch.positions, mask, cache, slots, last_only=True)[:, -1]
 
 
-def decode_step(model: Qwen3, tokens, positions, cache: KVCache, slot) -> torch.Tensor:
-    """One new token per row: tokens (B, 1) at RoPE positions (B, 1), written at cache slot (1,)."""
-    return model(tokens, positions, cache=cache, cache_slots=slot, last_only=True)[:, -1]  # (B, V)
+def decode_step(model: Qwen3, tokens, positions, cache: KVCache, slot, mask=None) -> torch.Tensor:
+    """One new token per row: tokens (B, 1) at RoPE positions (B, 1), written at cache slot (1,).
+
+    mask (B, 1, 1, S) limits attention to the first S slots; None attends over the whole cache
+    (unwritten slots masked), which keeps every shape fixed for a compiled step.
+    """
+    return model(tokens, positions, mask, cache, slot, last_only=True)[:, -1]  # (B, V)
 
 
 class RecomputeLoop:
@@ -102,6 +107,7 @@ class CachedLoop:
         weight = model.lm_head.weight
         self.model, self.batch = model, batch
         self.cache = KVCache(model.config, B, T + n_new, weight.device, weight.dtype)
+        self.compiled = compile
         self.decode_step = compiled_decode_step(self.cache) if compile else decode_step
         self.slots = torch.arange(T + n_new, device=weight.device)  # made once; each step takes a view
         self.next_slot = T
@@ -114,7 +120,12 @@ class CachedLoop:
         self.positions += 1
         slot = self.slots[self.next_slot : self.next_slot + 1]
         self.next_slot += 1
-        return self.decode_step(self.model, tokens[:, None], self.positions, self.cache, slot)
+        if self.compiled:  # fixed shapes: attend over every slot, the unwritten ones masked
+            return self.decode_step(self.model, tokens[:, None], self.positions, self.cache, slot)
+        # eager: attend over the slots written so far, so a step costs what the context costs,
+        # not what max_new_tokens reserved
+        mask = attention_mask(slot, self.cache.key_valid[:, : self.next_slot])  # (B, 1, 1, S)
+        return self.decode_step(self.model, tokens[:, None], self.positions, self.cache, slot, mask)
 
 
 def generate_tokens(

@@ -59,7 +59,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # norm first, then rotate
         if cache is not None:
-            k, v = cache.update(self.layer_index, k, v, cache_slots)  # (B, K, S, D)
+            k, v = cache.update(self.layer_index, k, v, cache_slots)  # (B, K, max_len, D)
+            # Attend over as many slots as the mask has columns: the slots written so far in eager
+            # decoding (cost follows the context), or all of them when shapes must stay fixed (CUDA graphs).
+            S = mask.shape[-1]
+            k, v = k[:, :, :S], v[:, :, :S]  # (B, K, S, D)
         # No mask means plain causal over these T tokens, which is what is_causal=True does.
         # enable_gqa lets each group of H/K query heads read its shared kv head without copying it.
         # SDPA computes the softmax in fp32 even for bf16 inputs.
@@ -139,8 +143,8 @@ class Qwen3(nn.Module):
 
         position_ids (B, T): each token's RoPE position; default 0..T-1 (left-padded rows start later).
         mask (B, 1, T, S) bool: which keys each query may see; default causal over the T tokens.
-        cache: write this forward's keys/values at cache_slots (T,) and attend over all cache slots;
-            the mask defaults to causal-by-slot over the cache's valid slots.
+        cache: write this forward's keys/values at cache_slots (T,) and attend over the first S slots,
+            S = mask.shape[-1]; the mask defaults to causal-by-slot over all of the cache's slots.
         """
         B, T = input_ids.shape
         if position_ids is None:
