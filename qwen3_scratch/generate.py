@@ -81,11 +81,12 @@ class RecomputeLoop:
 
     def __init__(self, model: Qwen3, batch: PaddedBatch):
         self.model, self.batch = model, batch
+        self.padded = batch.padded  # known once: appended tokens are never padding
 
     def start(self) -> torch.Tensor:
         ids, valid, positions = self.batch.ids, self.batch.valid, self.batch.positions
         T = ids.shape[1]
-        mask = attention_mask(torch.arange(T, device=ids.device), valid) if self.batch.padded else None
+        mask = attention_mask(torch.arange(T, device=ids.device), valid) if self.padded else None
         return self.model(ids, positions, mask, last_only=True)[:, -1]  # (B, V)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
