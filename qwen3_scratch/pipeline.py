@@ -62,7 +62,8 @@ def pick_device(device: str = "auto") -> str:
 
 def pick_dtype(dtype: str, device: str) -> str:
     """auto: bf16 on a GPU (its fast path, and the dtype Qwen3 ships in); fp32 on a CPU, where it is
-    exact (it matches transformers' fp32 logits) and bf16 is rarely faster."""
+    exact (it matches transformers' fp32 logits) and bf16 gains little: batch-1 bf16 matmuls are
+    compute-bound on most CPUs (even with AMX we measured only 1.09x faster decode; docs/performance.md)."""
     if dtype == "auto":
         return "bfloat16" if device == "cuda" else "float32"
     return dtype
