@@ -139,6 +139,9 @@ def _download(repo_id: str, folder: Path, revision: str | None, endpoint: str | 
         if _is_unreachable(error) and _is_complete(folder):
             log.warning("%s; using the copy already in %s", message.split(";")[0], folder)
             return folder
+        if Path(repo_id.split("/")[0]).is_dir():
+            # "weights/tiny-qwen3" is also a valid Hub id: the user probably meant a folder that is not there.
+            message = f"no folder {repo_id} here, so it was taken as a Hub id: {message}"
         raise HubError(message) from error
     return verify_checkpoint(folder)
 

@@ -197,3 +197,12 @@ def test_hub_id_is_downloaded_into_weights_dir_then_generates(tiny, capsys, tmp_
     code, offline, err = cli(capsys, *args, "--local-files-only")  # the Hub is gone now
     assert code == 0, err
     assert offline == local
+
+
+def test_a_mistyped_local_folder_says_so(capsys, tmp_path, monkeypatch):
+    """`weights/tiny-qwen3x` is also a valid Hub id; when `weights/` exists here, the error says which folder is missing."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weights").mkdir()
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    code, _, err = cli(capsys, "--model", "weights/tiny-qwen3x", "--prompt", "x")
+    assert_one_line_error(code, err, "no folder weights/tiny-qwen3x here")
