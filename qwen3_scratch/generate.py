@@ -13,6 +13,7 @@ row's tokens are the same as if it ran alone.
 Shapes: B batch, T tokens, S cache slots, V vocab.
 """
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -107,10 +108,14 @@ class CachedLoop:
         B, T = batch.ids.shape
         weight = model.lm_head.weight
         self.model, self.batch = model, batch
-        self.cache = KVCache(model.config, B, T + n_new, weight.device, weight.dtype)
+        if compile:
+            self.cache = static_cache(model, B, T + n_new)
+            self.decode_step = compiled_decode_step(self.cache)
+        else:
+            self.cache = KVCache(model.config, B, T + n_new, weight.device, weight.dtype)
+            self.decode_step = decode_step
         self.compiled = compile
-        self.decode_step = compiled_decode_step(self.cache) if compile else decode_step
-        self.slots = torch.arange(T + n_new, device=weight.device)  # made once; each step takes a view
+        self.slots = torch.arange(self.cache.max_len, device=weight.device)  # made once; steps take views
         self.next_slot = T
         self.positions = batch.positions[:, -1:].clone()  # (B, 1), advanced in place
 
@@ -162,6 +167,25 @@ def generate_tokens(
                 return
         if i + 1 < n_new:
             logits = loop.step(tokens)
+
+
+# A compiled step is recorded against its cache tensors' addresses (and guarded on them), so a new
+# cache per generation would mean a new compile per generation. Compiled loops therefore share one
+# cache per model and batch size, sized in whole blocks and grown only when a generation needs more.
+_STATIC_CACHES: "weakref.WeakKeyDictionary[Qwen3, dict[int, KVCache]]" = weakref.WeakKeyDictionary()
+CACHE_BLOCK = 256
+
+
+def static_cache(model: Qwen3, batch_size: int, min_len: int) -> KVCache:
+    """A reusable cache of at least min_len slots for compiled decoding (unwritten slots are masked)."""
+    caches = _STATIC_CACHES.setdefault(model, {})
+    cache = caches.get(batch_size)
+    if cache is None or cache.max_len < min_len:
+        max_len = min(-(-min_len // CACHE_BLOCK) * CACHE_BLOCK, model.config.max_position_embeddings)
+        weight = model.lm_head.weight
+        cache = caches[batch_size] = KVCache(model.config, batch_size, max_len, weight.device, weight.dtype)
+    cache.key_valid.fill_(True)  # prefill marks this generation's padding
+    return cache
 
 
 def compiled_decode_step(cache: KVCache):

@@ -118,10 +118,12 @@ def test_sampled_generation_is_reproducible_with_a_seed(model):
 
 
 def test_compiled_decode_matches_eager(model):
-    """torch.compile of the decode step (CUDA graphs on a GPU) must not change the tokens."""
-    ids = prompt(7, seed=12)
-    compiled = run(model, [ids], 6, sampling=GREEDY, compile=True)[0]
-    assert compiled == run(model, [ids], 6, sampling=GREEDY)[0]
+    """torch.compile of the decode step (CUDA graphs on a GPU) must not change the tokens, also when a
+    second generation reuses the compiled step's cache, still holding the first one's keys and values."""
+    for seed, length in [(12, 7), (14, 19), (15, 3)]:
+        ids = prompt(length, seed=seed)
+        compiled = run(model, [ids], 6, sampling=GREEDY, compile=True)[0]
+        assert compiled == run(model, [ids], 6, sampling=GREEDY)[0], f"prompt of {length} tokens"
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
