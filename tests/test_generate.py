@@ -138,3 +138,20 @@ def test_cuda_bf16_cache_recompute_and_compiled_agree(checkpoint):
     cached = run(model, [ids], 32, sampling=GREEDY)[0]
     assert cached == run(model, [ids], 32, sampling=GREEDY, use_cache=False)[0]
     assert cached == run(model, [ids], 32, sampling=GREEDY, compile=True)[0]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_decode_steps_never_wait_for_the_gpu(checkpoint):
+    """After prefill, a decode step (cache write, attention, sampling) queues work without a host sync."""
+    model = load_model(checkpoint, device="cuda", dtype="bfloat16")
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    steps = generate_tokens(model, [prompt(9, seed=16)], 16, params, ignore_eos=True,
+                            generator=torch.Generator("cuda").manual_seed(0))  # fmt: skip
+    tokens = [next(steps)]  # prefill may sync (the prompt is copied to the GPU)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens += list(steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(tokens) == 16
