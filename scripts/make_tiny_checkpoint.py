@@ -2,11 +2,11 @@
 
     python scripts/make_tiny_checkpoint.py --out weights/tiny-qwen3
 
-It needs only torch, safetensors and tokenizers (not transformers), so a new user can try every
+It needs only torch, safetensors, tokenizers and this package (not transformers), so a new user can try every
 command of qwen3-scratch in seconds, with no download. The weights are random, so the text is
 nonsense, but every file is in the Hub's format: a byte-level BPE `tokenizer.json` with Qwen3's
 special tokens, `tokenizer_config.json` with a Qwen3-style chat template, a Hub-style `config.json`,
-`generation_config.json` with Qwen3's sampling defaults, and bf16 weights split in two shards with
+`generation_config.json` with Qwen3's sampling defaults, and bf16 weights split in shards with
 `model.safetensors.index.json`.
 """
 
@@ -14,9 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from make_shape_checkpoint import generation_config, write_weights
 
 HERE = Path(__file__).resolve().parent
 CHAT_TEMPLATE_FILE = HERE / "qwen3_chat_template.jinja"
@@ -87,7 +87,7 @@ SHAPES = dict(
     head_dim=64,
     max_position_embeddings=2048,
 )
-NUM_SHARDS = 2
+SHARD_BYTES = 500_000  # the tiny model is ~1.3 MB: a few shards plus model.safetensors.index.json
 
 
 def train_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
@@ -171,77 +171,6 @@ def model_config(vocab_size: int, endoftext_id: int, im_end_id: int) -> dict:
     }
 
 
-def generation_config(endoftext_id: int, im_end_id: int) -> dict:
-    """Qwen3's recommended sampling settings; a chat turn ends at <|im_end|>, a document at <|endoftext|>."""
-    return {
-        "bos_token_id": endoftext_id,
-        "do_sample": True,
-        "eos_token_id": [im_end_id, endoftext_id],
-        "pad_token_id": endoftext_id,
-        "temperature": 0.6,
-        "top_k": 20,
-        "top_p": 0.95,
-    }
-
-
-def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random tensors under the Hugging Face Qwen3 key names and shapes, in bf16.
-
-    nn.Linear stores its weight as (out_features, in_features). There is no `lm_head.weight`:
-    the embeddings are tied, as in the small Qwen3 models.
-    """
-    generator = torch.Generator().manual_seed(seed)
-
-    def linear(out_features, in_features):
-        return torch.randn(out_features, in_features, generator=generator) * 0.02
-
-    def norm(size):
-        # Near 1 but not exactly: a model that forgets to multiply by the norm weight must fail parity.
-        return 1.0 + 0.1 * torch.randn(size, generator=generator)
-
-    hidden, inter, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    q_size, kv_size = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
-    weights = {"model.embed_tokens.weight": linear(config["vocab_size"], hidden)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        weights[p + "input_layernorm.weight"] = norm(hidden)
-        weights[p + "self_attn.q_proj.weight"] = linear(q_size, hidden)
-        weights[p + "self_attn.k_proj.weight"] = linear(kv_size, hidden)
-        weights[p + "self_attn.v_proj.weight"] = linear(kv_size, hidden)
-        weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_size)
-        weights[p + "self_attn.q_norm.weight"] = norm(d)
-        weights[p + "self_attn.k_norm.weight"] = norm(d)
-        weights[p + "post_attention_layernorm.weight"] = norm(hidden)
-        weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
-        weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
-        weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
-    weights["model.norm.weight"] = norm(hidden)
-    return {name: tensor.to(torch.bfloat16) for name, tensor in weights.items()}
-
-
-def save_sharded(weights: dict[str, torch.Tensor], out: Path, num_layers: int) -> None:
-    """Save `weights` as NUM_SHARDS safetensors files plus the Hub's `model.safetensors.index.json`.
-
-    Shards split by layer (embeddings with the first layers, the final norm with the last), so a
-    loader that reads only the first shard, or ignores the index, is caught.
-    """
-    names = [f"model-{k:05d}-of-{NUM_SHARDS:05d}.safetensors" for k in range(1, NUM_SHARDS + 1)]
-    layers_per_shard = -(-num_layers // NUM_SHARDS)  # ceil
-
-    def shard_of(key: str) -> int:
-        if key.startswith("model.layers."):
-            return int(key.split(".")[2]) // layers_per_shard
-        return 0 if key == "model.embed_tokens.weight" else NUM_SHARDS - 1
-
-    weight_map = {key: names[shard_of(key)] for key in weights}
-    for k, name in enumerate(names):
-        shard = {key: t.contiguous() for key, t in weights.items() if shard_of(key) == k}
-        save_file(shard, out / name, metadata={"format": "pt"})
-    total_size = sum(t.numel() * t.element_size() for t in weights.values())
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    write_json(out / "model.safetensors.index.json", index)
-
-
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -261,8 +190,10 @@ def make_tiny_checkpoint(out_dir="weights/tiny-qwen3", seed: int = 0) -> Path:
     chat_template = CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
     write_json(out / "tokenizer_config.json", tokenizer_config(tokenizer, chat_template))
     write_json(out / "config.json", config)
-    write_json(out / "generation_config.json", generation_config(endoftext_id, im_end_id))
-    save_sharded(random_weights(config, seed), out, config["num_hidden_layers"])
+    write_json(out / "generation_config.json", generation_config(config))
+    # The same writer as the full-size shape checkpoints, with shards small enough that the Hub's
+    # sharded layout (several files and an index) is what a new user sees.
+    write_weights(out, config, seed, max_shard_bytes=SHARD_BYTES)
     return out
 
 
