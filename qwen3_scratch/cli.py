@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="decode with the KV cache (--no-kv-cache: recompute everything each step)")  # fmt: skip
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU); the first step pays the compile time")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (benchmarks)")
     p.add_argument("--show-stats", action="store_true", help="print a key=value stats line to stderr")
     return p
