@@ -4,7 +4,8 @@ The model is built on the `meta` device (shapes only, no memory), then each shar
 and every parameter becomes a view of its bytes in the file: on CPU in the stored dtype nothing is
 copied at all (the OS pages weights in as they are used, and they count once, as page cache); for
 another dtype or a GPU each tensor is cast/copied from the mapping straight into its final place.
-Either way there is never a full second copy of the model in RAM. Everything is checked *before* any data is read (every shard
+Either way there is never a full second copy of the model in RAM. (A mapped file must not be
+rewritten in place while the model lives; replacing it, as a download does, is safe.) Everything is checked *before* any data is read (every shard
 present and whole, every parameter named exactly once, shapes and dtypes as config.json says), so a
 bad checkpoint fails with one CheckpointError naming the file and the tensor, never half-loaded.
 
