@@ -10,7 +10,6 @@ learner opens are the Hub's files under their Hub names, not symlinks into a cac
 """
 
 import errno
-import json
 import logging
 import re
 from pathlib import Path
@@ -26,11 +25,10 @@ from huggingface_hub.utils import (
 from huggingface_hub.utils import tqdm as HubProgressBar
 
 from .errors import CheckpointError, HubError
+from .weights import INDEX_FILE, DamagedFile, checkpoint_files, read_raw_header
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 # Everything the model, tokenizer and chat template read, plus the licence and model card that travel with the
 # weights. Qwen repos also ship things we never read (Meta-format `original/`, onnx/, gguf, pytorch_model.bin);
@@ -47,8 +45,6 @@ ALLOW_PATTERNS = [
 ]
 IGNORE_PATTERNS = ["*/*"]
 
-# A repo cloned without git-lfs holds these small text files where the weights should be.
-LFS_POINTER_PREFIX = b"version https://git-lfs"
 
 # "org/name" with the characters the Hub allows.
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -98,11 +94,12 @@ def verify_checkpoint(folder, *, hint: str = REPAIR_HINT) -> Path:
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder / 'config.json'} is missing; {hint}")
-    for name in _weight_files(folder, hint):
-        problem = _weight_file_problem(folder / name)
-        if problem is not None:
+    for file in checkpoint_files(folder):
+        try:
+            read_raw_header(file)
+        except DamagedFile as e:
             where = f" (named in {INDEX_FILE})" if (folder / INDEX_FILE).is_file() else ""
-            raise CheckpointError(f"{folder / name} {problem}{where}; {hint}")
+            raise CheckpointError(f"{file} {e.problem}{where}; {hint}") from e
     return folder
 
 
@@ -163,7 +160,9 @@ def _discard_damaged_weights(folder: Path) -> None:
     size, so a file cut short (a full disk, a killed copy) would otherwise stay broken forever.
     """
     for path in folder.glob("*.safetensors"):
-        if _weight_file_problem(path) is not None:
+        try:
+            read_raw_header(path)
+        except DamagedFile:
             log.warning("%s is damaged; downloading it again", path)
             path.unlink()
 
@@ -174,46 +173,6 @@ def _is_complete(folder: Path) -> bool:
     except CheckpointError:
         return False
     return True
-
-
-def _weight_files(folder: Path, hint: str) -> list[str]:
-    """The weight files the checkpoint needs: the shards its index names, or the single model.safetensors."""
-    index = folder / INDEX_FILE
-    if not index.is_file():
-        if not (folder / SINGLE_FILE).is_file():
-            raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; {hint}")
-        return [SINGLE_FILE]
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{index} is not a valid index (JSON with a weight_map); {hint}") from e
-
-
-def _weight_file_problem(path: Path) -> str | None:
-    """What is wrong with one safetensors file, judged from its size and header alone; None if nothing."""
-    if not path.is_file():
-        return "is missing"
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        start = f.read(len(LFS_POINTER_PREFIX))
-        if start == LFS_POINTER_PREFIX:
-            return "is a git-LFS pointer, not the weights (the repo was cloned without git-lfs)"
-        if len(start) < 8:
-            return "is empty" if size == 0 else "is too short to be a safetensors file"
-        # safetensors layout: 8-byte little-endian header length, JSON header, then the tensor bytes.
-        header_len = int.from_bytes(start[:8], "little")
-        if 8 + header_len > size:
-            return f"is truncated ({size} bytes, but its header alone claims {8 + header_len})"
-        f.seek(8)
-        try:
-            header = json.loads(f.read(header_len))
-            data_len = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "has a corrupt safetensors header"
-    if size < 8 + header_len + data_len:
-        return f"is truncated ({size} of {8 + header_len + data_len} bytes)"
-    return None
 
 
 def _explain(error: Exception, repo_id: str, revision: str | None, folder: Path, endpoint: str | None) -> str | None:

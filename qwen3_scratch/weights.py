@@ -29,6 +29,8 @@ from .model import Qwen3
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 LFS_POINTER_PREFIX = b"version https://git-lfs"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 
 @dataclass
@@ -40,33 +42,64 @@ class TensorEntry:
     nbytes: int
 
 
-def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
-    """Parse and validate one shard's header; nothing of the tensor data is read."""
+class DamagedFile(CheckpointError):
+    """A weight file that is missing, cut short, or not a safetensors file at all."""
+
+    def __init__(self, file: Path, problem: str):
+        self.file, self.problem = file, problem  # problem reads after the name: "is truncated (...)"
+        super().__init__(f"{file} {problem}; download it again")
+
+
+def read_raw_header(file: Path) -> tuple[dict, int]:
+    """(the JSON header, the byte where tensor data starts), after checking the file is whole.
+
+    Only the structure is judged here (present, not a git-LFS pointer, a sane header, long enough for
+    every tensor it lists), so the Hub download can use it to find files worth fetching again.
+    """
+    if not file.is_file():
+        raise DamagedFile(file, "is missing")
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
-            head = f.read(8)
-            if head.startswith(LFS_POINTER_PREFIX[:8]) and (head + f.read(100)).startswith(LFS_POINTER_PREFIX):
-                raise CheckpointError(
-                    f"{file}: is a git-LFS pointer, not the weights; download the real file "
-                    "(huggingface_hub or `git lfs pull`)"
-                )
-            if len(head) < 8:
-                raise CheckpointError(f"{file}: truncated ({size} bytes); delete it and download it again")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise CheckpointError(f"{file}: not a safetensors file (bad header length); download it again")
-            header = json.loads(f.read(header_len))
+            header, header_len = _parse_header(file, f, size)
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read ({e.strerror}); check the path and permissions") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: corrupt safetensors header; download it again") from e
-    header.pop("__metadata__", None)
+    ends = {name: int(info["data_offsets"][1]) for name, info in header.items()}
     data_start = 8 + header_len
-    return {name: _entry(file, name, info, data_start, size) for name, info in header.items()}
+    if ends and data_start + max(ends.values()) > size:
+        last = max(ends, key=ends.get)
+        raise DamagedFile(file, f"is truncated ({size} bytes, but tensor {last} ends at byte {data_start + ends[last]})")
+    return header, data_start
 
 
-def _entry(file: Path, name: str, info: dict, data_start: int, file_size: int) -> TensorEntry:
+def _parse_header(file: Path, f, size: int) -> tuple[dict, int]:
+    """The JSON header (without __metadata__) and its length in bytes, or DamagedFile."""
+    head = f.read(len(LFS_POINTER_PREFIX))
+    if head == LFS_POINTER_PREFIX:
+        raise DamagedFile(file, "is a git-LFS pointer, not the weights (the repo was cloned without git-lfs)")
+    if len(head) < 8:
+        raise DamagedFile(file, "is empty" if size == 0 else "is too short to be a safetensors file")
+    (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len > min(MAX_HEADER_BYTES, size - 8):
+        raise DamagedFile(file, "is not a safetensors file (bad header length)")
+    f.seek(8)
+    try:
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        for info in header.values():  # the offsets must be there and be numbers
+            int(info["data_offsets"][1])
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise DamagedFile(file, "has a corrupt safetensors header") from e
+    return header, header_len
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
+    """Parse and validate one shard's header; nothing of the tensor data is read."""
+    header, data_start = read_raw_header(file)
+    return {name: _entry(file, name, info, data_start) for name, info in header.items()}
+
+
+def _entry(file: Path, name: str, info: dict, data_start: int) -> TensorEntry:
     if info.get("dtype") not in SAFETENSORS_DTYPES:
         raise CheckpointError(
             f"{file}: tensor {name} has dtype {info.get('dtype')}; only BF16/F16/F32 weights are supported "
@@ -77,32 +110,25 @@ def _entry(file: Path, name: str, info: dict, data_start: int, file_size: int) -
     nbytes = math.prod(shape) * dtype.itemsize
     if end - begin != nbytes:
         raise CheckpointError(f"{file}: tensor {name} header says {end - begin} bytes for shape {shape}; corrupt file")
-    if data_start + end > file_size:
-        raise CheckpointError(
-            f"{file}: truncated ({file_size} bytes, tensor {name} ends at byte {data_start + end}); "
-            "delete it and download it again"
-        )
     return TensorEntry(file, dtype, shape, data_start + begin, nbytes)
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
-    """The shard files: those named by model.safetensors.index.json, or the single model.safetensors."""
-    index = folder / "model.safetensors.index.json"
+    """The weight files: those named by model.safetensors.index.json, or the single model.safetensors.
+
+    Whether each is present and whole is for read_raw_header to say.
+    """
+    index = folder / INDEX_FILE
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index (no weight_map); download it again") from e
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.exists():
-                raise CheckpointError(f"{file}: missing, but {index.name} names it; download the checkpoint again")
-        return files
-    single = folder / "model.safetensors"
-    if single.exists():
-        return [single]
+            return [folder / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map); download it again") from e
+    if (folder / SINGLE_FILE).exists():
+        return [folder / SINGLE_FILE]
     hint = " (pytorch .bin weights are not supported)" if any(folder.glob("*.bin")) else ""
-    raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json{hint}")
+    raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}; download the checkpoint again")
 
 
 def read_checkpoint_index(folder: Path) -> dict[str, TensorEntry]:
@@ -113,7 +139,7 @@ def read_checkpoint_index(folder: Path) -> dict[str, TensorEntry]:
             if name in entries:
                 raise CheckpointError(f"{file}: tensor {name} is also in {entries[name].file.name}; corrupt checkpoint")
             entries[name] = entry
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX_FILE
     if index.exists():
         for name, shard in json.loads(index.read_text())["weight_map"].items():
             if name not in entries or entries[name].file.name != shard:
@@ -181,16 +207,16 @@ def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
     _check_matches_model(entries, model, config)
     tied_head = config.tie_word_embeddings
     params = {name: entries[name] for name, _ in model.named_parameters()}
-    if tied_head and "lm_head.weight" in entries:
-        params["lm_head.weight"] = entries["lm_head.weight"]  # read it only to check it equals the embedding
-    shards = {file: map_shard(file) for file in {entry.file for entry in params.values()}}  # each opened once
-    loaded = {name: tensor_from_map(shards[entry.file], entry, device, dtype) for name, entry in params.items()}
-    if tied_head and "lm_head.weight" in loaded:
-        if not torch.equal(loaded.pop("lm_head.weight"), loaded["model.embed_tokens.weight"]):
+    shards = {file: map_shard(file) for file in {entry.file for entry in entries.values()}}  # each opened once
+    if tied_head and "lm_head.weight" in entries:  # tied, but saved anyway: it must equal the embedding
+        stored = {name: tensor_from_map(shards[entries[name].file], entries[name], "cpu", entries[name].dtype)
+                  for name in ("lm_head.weight", "model.embed_tokens.weight")}  # fmt: skip
+        if not torch.equal(stored["lm_head.weight"], stored["model.embed_tokens.weight"]):
             raise CheckpointError(
                 f"{entries['lm_head.weight'].file}: lm_head.weight differs from the embedding but config.json "
                 "says tie_word_embeddings=true; fix the config"
             )
+    loaded = {name: tensor_from_map(shards[entry.file], entry, device, dtype) for name, entry in params.items()}
     for name, tensor in loaded.items():
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
