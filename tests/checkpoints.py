@@ -99,3 +99,10 @@ def load_reference(path, dtype=torch.float32):
     """The same checkpoint through transformers: the numerical oracle."""
     model = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval()
+
+
+def assert_logits_match(ours, theirs, what):
+    """The suite's fp32 parity bar: max |Δ| <= 1e-5 x the largest logit."""
+    scale = theirs.abs().max().item()
+    worst = (ours.float() - theirs.float()).abs().max().item()
+    assert worst <= 1e-5 * scale, f"{what}: max |Δ| = {worst:.3g}, allowed 1e-5 x max|logit| = {1e-5 * scale:.3g}"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from checkpoints import build_checkpoint, load_reference
+from checkpoints import assert_logits_match, build_checkpoint, load_reference
 from qwen3_scratch import GenerationError, load_model
 from qwen3_scratch.generate import CachedLoop, PaddedBatch, RecomputeLoop, generate_tokens
 from qwen3_scratch.sampling import SamplingParams
@@ -60,10 +60,7 @@ def test_logits_of_both_loops_match_transformers_at_every_step(model, reference)
         logits = [loop.start()]
         for t in tokens[:-1]:
             logits.append(loop.step(torch.tensor([t])))
-        ours = torch.cat(logits)
-        worst = (ours - their_logits).abs().max().item()
-        scale = their_logits.abs().max().item()
-        assert worst <= 1e-5 * scale, f"{type(loop).__name__}: max |Δ| {worst:.3g} over {len(tokens)} steps"
+        assert_logits_match(torch.cat(logits), their_logits, f"{type(loop).__name__} over {len(tokens)} steps")
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["kv_cache", "recompute"])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from checkpoints import build_checkpoint, load_reference
+from checkpoints import assert_logits_match, build_checkpoint, load_reference
 from qwen3_scratch import KVCache, load_model
 from qwen3_scratch.kv_cache import attention_mask
 
@@ -30,12 +30,6 @@ def checkpoint(request, tmp_path_factory):
 
 def random_ids(batch=2, length=96, vocab=512, seed=0):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def assert_logits_match(ours, theirs, what):
-    scale = theirs.abs().max().item()
-    worst = (ours.float() - theirs.float()).abs().max().item()
-    assert worst <= 1e-5 * scale, f"{what}: max |Δ| = {worst:.3g}, allowed 1e-5 x max|logit| = {1e-5 * scale:.3g}"
 
 
 def test_fp32_logits_match_transformers(checkpoint):

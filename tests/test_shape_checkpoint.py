@@ -12,6 +12,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from checkpoints import assert_logits_match
 from make_shape_checkpoint import generation_config, make_shape_checkpoint, plan_shards, shape_config, tensor_shapes
 from qwen3_scratch import load_model
 from qwen3_scratch.sizes import QWEN3_SIZES, parameter_count
@@ -117,10 +118,7 @@ def test_our_loader_and_transformers_give_the_same_logits(tmp_path, tied):
     ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = theirs(ids).logits
-    got = ours(ids)
-    scale = expected.abs().max().item()
-    diff = (got - expected).abs().max().item()
-    assert diff <= 1e-5 * scale, f"logits differ by {diff:.3g} (max |logit| {scale:.3g})"
+    assert_logits_match(ours(ids), expected, "shape checkpoint")
 
 
 def test_default_config_has_the_true_qwen3_0_6b_facts():
