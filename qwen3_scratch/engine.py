@@ -1,0 +1,182 @@
+"""The engine: requests in at any time, tokens out step by step, continuous batching underneath.
+
+    engine = LLMEngine(model, tokenizer, eos_ids=[...], num_blocks=512)
+    engine.add_request("a", prompt_ids, RequestParams(temperature=0, max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():          # one scheduled step: every running request moves on
+            print(out.request_id, out.new_token_ids, out.new_text, out.finished)
+
+One `step()`: the scheduler picks this step's chunks (scheduler.py), the runner runs them through
+the model over the paged cache (model_runner.py, paged_cache.py), each sequence that reached its
+newest token samples one more with its own settings and generator, and sequences that hit EOS, a
+stop string, max_tokens or the context end are retired at once, returning their blocks.
+
+The tokenizer is used only to turn each sequence's tokens into text (for stop strings and
+streaming); scheduling and the model never see text.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager
+from .errors import GenerationError
+from .model import Qwen3
+from .model_runner import ModelRunner
+from .paged_cache import PagedKVCache
+from .params import RequestParams
+from .sampling import filter_logits
+from .scheduler import Scheduler, Sequence
+from .tokenizer import StreamingDetokenizer, Tokenizer
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # text made final by this step (held back while it could still begin a stop string)
+    finished: bool
+    finish_reason: str | None
+    seq: Sequence
+
+
+class TextState:
+    """A sequence's text so far, grown token by token, with its stop strings applied."""
+
+    def __init__(self, tokenizer: Tokenizer, params: RequestParams):
+        self.detok = StreamingDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stop = params.stop
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # a stop string may still be forming
+        self.text, self.emitted = "", 0
+
+    def push(self, token_id: int) -> bool:
+        """Add a token's text; True if a stop string appeared (the text is cut before it)."""
+        searched_from = max(len(self.text) - self.hold, 0)
+        self.text += self.detok.push(token_id)
+        hits = [i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+        return bool(hits)
+
+    def take(self, finished: bool, stopped: bool) -> str:
+        """The text this step makes final: all of it once finished, else all but a possible stop string's start."""
+        if finished and not stopped:
+            self.text += self.detok.flush()  # a last incomplete character, as decode() would show it
+        end = len(self.text) if finished else max(len(self.text) - self.hold, self.emitted)
+        piece, self.emitted = self.text[self.emitted : end], end
+        return piece
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: Qwen3,
+        tokenizer: Tokenizer | None,
+        eos_ids: list[int],
+        num_blocks: int = 512,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+    ):
+        weight = model.lm_head.weight
+        self.model, self.tokenizer, self.eos_ids = model, tokenizer, frozenset(eos_ids)
+        self.context = model.config.max_position_embeddings
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, weight.device, weight.dtype)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs))
+        self.runner = ModelRunner(model, self.cache)
+        self.sequences: dict[str, Sequence] = {}
+        self.texts: dict[str, TextState] = {}
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> Sequence:
+        """Queue a request; it joins the running batch at a coming step. Bad requests raise GenerationError."""
+        if request_id in self.sequences:
+            raise GenerationError(f"request id {request_id!r} is already in use")
+        max_tokens = self.check_prompt(prompt_ids, params)
+        generator = torch.Generator(self.runner.device)
+        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, max_tokens, frozenset(eos), generator)
+        self.sequences[request_id] = seq
+        if self.tokenizer is not None:
+            self.texts[request_id] = TextState(self.tokenizer, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def check_prompt(self, prompt_ids: list[int], params: RequestParams) -> int:
+        """The request's max_tokens clipped to the context; raises if it can never run."""
+        if not prompt_ids:
+            raise GenerationError("the prompt is empty; send at least one token")
+        if len(prompt_ids) >= self.context:
+            raise GenerationError(
+                f"the prompt is {len(prompt_ids)} tokens but the model's context is {self.context}; shorten the prompt"
+            )
+        if any(not 0 <= i < self.model.config.vocab_size for i in prompt_ids):
+            raise GenerationError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
+        max_tokens = min(params.max_tokens or self.context, self.context - len(prompt_ids))
+        needed = self.blocks.blocks_for(len(prompt_ids) + max_tokens)
+        if needed > self.blocks.num_blocks:
+            raise GenerationError(
+                f"the request needs up to {needed} KV blocks but the pool has {self.blocks.num_blocks}; "
+                "lower max_tokens or start the engine with more blocks (--num-blocks)"
+            )
+        return max_tokens
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (a client went away); its blocks return to the pool."""
+        seq = self.sequences.pop(request_id, None)
+        self.texts.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        logits = self.runner.run(batch)
+        chunks = batch.decodes + batch.prefills
+        for chunk in chunks:
+            self.scheduler.computed(chunk)
+        sampling = [chunk.seq for chunk in chunks if chunk.samples]
+        tokens = self.sample(sampling, [logits[id(seq)] for seq in sampling])
+        return [self.append(seq, token) for seq, token in zip(sampling, tokens)]
+
+    def sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
+        """One token per sequence. Rows with the same filter share its work; each draws with its own
+        generator, so a seeded request gets the same tokens whatever else is in the batch."""
+        if not seqs:
+            return []
+        logits = torch.stack(rows)  # (N, V)
+        tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done
+        groups: dict = {}
+        for i, seq in enumerate(seqs):
+            if not seq.params.logits_filter.greedy:
+                groups.setdefault(seq.params.logits_filter, []).append(i)
+        for params, index in groups.items():
+            probs = filter_logits(logits[index], params).softmax(dim=-1)  # (n, V)
+            for row, i in enumerate(index):
+                noise = torch.empty_like(probs[row]).exponential_(generator=seqs[i].generator)
+                # the same exponential race as sampling.sample: argmax(p / E) is a draw from p
+                tokens[i] = int((probs[row] / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax())
+        return tokens
+
+    def append(self, seq: Sequence, token: int) -> StepOutput:
+        seq.token_ids.append(token)
+        text = self.texts.get(seq.request_id)
+        stopped = text.push(token) if text is not None else False
+        reason = None
+        if stopped or token in seq.eos_ids:
+            reason = "stop"
+        elif len(seq.output_ids) >= seq.max_tokens or len(seq.token_ids) >= self.context:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.sequences.pop(seq.request_id, None)
+            self.texts.pop(seq.request_id, None)
+        piece = text.take(reason is not None, stopped) if text is not None else ""
+        return StepOutput(seq.request_id, [token], piece, reason is not None, reason, seq)

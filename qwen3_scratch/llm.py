@@ -1,0 +1,150 @@
+"""The offline API, in vLLM's shape and names, so vLLM's snippets run unchanged:
+
+    from qwen3_scratch.llm import LLM, SamplingParams
+    llm = LLM("Qwen/Qwen3-0.6B")
+    outputs = llm.generate(["Hello, my name is", "The capital of France is"],
+                           SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=0))
+    for out in outputs:
+        print(out.prompt, "->", out.outputs[0].text, out.outputs[0].finish_reason)
+    chat = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=256))
+    print(chat[0].outputs[0].message["reasoning_content"], chat[0].outputs[0].message["content"])
+
+`SamplingParams` here is vLLM's (a whole request: filters + max_tokens + stop + seed), defined in
+params.py as `RequestParams`; `qwen3_scratch.sampling.SamplingParams` is only the logits filter.
+All prompts go to the engine at once; continuous batching runs them (engine.py).
+"""
+
+import itertools
+from dataclasses import dataclass, field
+
+from .engine import LLMEngine
+from .params import RequestParams
+from .pipeline import pick_device, pick_dtype
+from .hub import resolve_checkpoint
+from .kv_cache import kv_cache_bytes
+from .sampling import load_generation_config
+from .tokenizer import Tokenizer
+from .weights import load_model
+
+SamplingParams = RequestParams  # vLLM's name for it; see params.py for why the package says RequestParams
+
+GIB = 2**30
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, a stop string or stop token) or "length"
+    message: dict | None = None  # chat only: the parsed assistant message (content, reasoning, tool calls)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+def default_num_blocks(config, dtype_bytes: int, block_size: int, memory_gib: float, max_num_seqs: int) -> int:
+    """Blocks that fit in memory_gib, but no more than max_num_seqs full contexts need."""
+    per_block = kv_cache_bytes(config, block_size, bytes_per_value=dtype_bytes)
+    by_memory = int(memory_gib * GIB) // per_block
+    by_use = max_num_seqs * -(-config.max_position_embeddings // block_size)
+    return max(1, min(by_memory, by_use))
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        weights_dir="weights",
+        local_files_only: bool = False,
+        device: str = "auto",
+        dtype: str = "auto",
+        kv_cache_memory_gib: float = 1.0,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+    ):
+        self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only)
+        device = pick_device(device)
+        self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device))
+        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
+        self.generation_config = load_generation_config(self.checkpoint)
+        if num_blocks is None:
+            dtype_bytes = self.model.lm_head.weight.element_size()
+            num_blocks = default_num_blocks(self.model.config, dtype_bytes, block_size, kv_cache_memory_gib, max_num_seqs)
+        self.engine = LLMEngine(
+            self.model, self.tokenizer, self.eos_ids, num_blocks, block_size, max_num_seqs, max_num_batched_tokens
+        )
+        self._ids = itertools.count()
+
+    @property
+    def eos_ids(self) -> list[int]:
+        ids = self.generation_config.get("eos_token_id") or self.model.config.eos_token_ids
+        if not ids and self.tokenizer.eos_token_id is not None:
+            ids = [self.tokenizer.eos_token_id]
+        return list(ids)
+
+    def get_default_sampling_params(self) -> RequestParams:
+        """The checkpoint's generation_config.json sampling defaults, as vLLM's LLM uses them."""
+        g = self.generation_config
+        keys = {k: g[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in g}
+        if g.get("do_sample") is False:
+            keys["temperature"] = 0.0
+        return RequestParams(**keys)
+
+    def generate(self, prompts, sampling_params: RequestParams | list[RequestParams] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. prompts: str, list of str, or list of token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        requests = [(p, p, self.tokenizer.encode(p)) if isinstance(p, str) else (p, None, list(p)) for p in prompts]
+        return self._run([(text, ids) for _, text, ids in requests], sampling_params)
+
+    def chat(self, messages, sampling_params=None, *, tools=None, enable_thinking: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:  # fmt: skip
+        """One RequestOutput per conversation; outputs[0].message holds the parsed reply (reasoning apart,
+        tool calls parsed), outputs[0].text the raw text. messages: one list of dicts, or a list of them."""
+        from .chat_parser import ThinkingState, parse_assistant  # TODO(merge main): top-level
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.chat_ids(m, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                                    tools=tools)  # fmt: skip
+            for m in conversations
+        ]
+        outputs = self._run([(None, ids) for ids in prompts], sampling_params)
+        for out in outputs:
+            thinking = ThinkingState.prompt_opens_thinking(out.prompt_token_ids, self.tokenizer)
+            completion = out.outputs[0]
+            completion.message = parse_assistant(completion.token_ids, self.tokenizer, in_reasoning=thinking)
+        return outputs
+
+    def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        outputs: dict[str, RequestOutput] = {}
+        for (text, ids), p in zip(prompts, params):
+            request_id = str(next(self._ids))
+            outputs[request_id] = RequestOutput(request_id, text, ids)
+            self.engine.check_prompt(ids, p)  # every request checked before any runs
+        for request_id, p in zip(outputs, params):
+            self.engine.add_request(request_id, outputs[request_id].prompt_token_ids, p)
+        texts = {request_id: "" for request_id in outputs}
+        while self.engine.has_unfinished():
+            for step in self.engine.step():
+                texts[step.request_id] += step.new_text
+                if step.finished:
+                    out = outputs[step.request_id]
+                    out.finished, out.num_cached_tokens = True, step.seq.num_cached_prompt
+                    text = texts[step.request_id]
+                    out.outputs = [CompletionOutput(0, text, step.seq.output_ids, step.finish_reason)]
+        return list(outputs.values())

@@ -1,0 +1,74 @@
+"""One scheduled step -> the model's forward passes -> next-token logits per sequence.
+
+The runner turns the scheduler's chunks into the tensors `Qwen3.forward` takes: token ids, RoPE
+positions, an attention mask, and a `PagedView` of the pool as the cache. The model is the same
+one the simple loops use; it never learns that its cache is paged.
+
+One step is at most 1 + P forwards:
+  - all decodes together: (B, 1) tokens, each row attending over its own keys, gathered through its
+    block table and right-padded to the longest row (the mask hides the padding);
+  - each prompt chunk alone: (1, T) tokens attending over its cached prefix and itself, causally.
+Putting a chunk of T tokens in the decode batch would pad every decode row to T tokens.
+
+Shapes: B rows, T tokens per row, S keys per row, V vocab, bs block_size.
+"""
+
+import torch
+
+from .model import Qwen3
+from .paged_cache import PagedKVCache
+from .scheduler import Chunk, ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3, cache: PagedKVCache):
+        self.model, self.cache = model, cache
+        self.device = model.lm_head.weight.device
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
+        """Run every chunk; returns {id(seq): logits (V,)} for the chunks that end at their newest token."""
+        logits: dict[int, torch.Tensor] = {}
+        if batch.decodes:
+            rows = self.decode(batch.decodes)  # (B, V)
+            logits.update((id(chunk.seq), row) for chunk, row in zip(batch.decodes, rows))
+        for chunk in batch.prefills:
+            row = self.prefill(chunk)
+            if chunk.samples:
+                logits[id(chunk.seq)] = row
+        return logits
+
+    def decode(self, chunks: list[Chunk]) -> torch.Tensor:
+        """The newest token of every row at once -> logits (B, V)."""
+        lengths = [chunk.end for chunk in chunks]  # keys per row, the new token's included
+        S = max(lengths)
+        tokens = torch.tensor([[c.seq.token_ids[c.start]] for c in chunks], device=self.device)  # (B, 1)
+        positions = torch.tensor([[c.start] for c in chunks], device=self.device)  # (B, 1)
+        read = self.read_slots([c.seq.block_table for c in chunks], S)  # (B, S)
+        write = read.gather(1, positions)  # (B, 1): the new token's own slot
+        keys = torch.arange(S, device=self.device)
+        valid = keys[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # (B, S)
+        mask = valid[:, None, None, :]  # (B, 1, 1, S): a row sees its own keys, not the padding
+        view = self.cache.view(write, read)
+        return self.model(tokens, positions, mask, view, write, last_only=True)[:, -1]  # (B, V)
+
+    def prefill(self, chunk: Chunk) -> torch.Tensor:
+        """Tokens [start, end) of one sequence, after its cached prefix [0, start) -> logits (V,) of the last."""
+        seq, start, end = chunk.seq, chunk.start, chunk.end
+        tokens = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, T)
+        positions = torch.arange(start, end, device=self.device)[None, :]  # (1, T)
+        read = self.read_slots([seq.block_table], end)  # (1, S), S = end
+        write = read[:, start:end]  # (1, T)
+        keys = torch.arange(end, device=self.device)
+        mask = (keys[None, :] <= positions[0, :, None])[None, None]  # (1, 1, T, S): causal, prefix included
+        view = self.cache.view(write, read)
+        return self.model(tokens, positions, mask, view, write, last_only=True)[0, -1]  # (V,)
+
+    def read_slots(self, tables: list[list[int]], S: int) -> torch.Tensor:
+        """(B, S) pool slots of each row's tokens 0..S-1, through its block table; short rows padded."""
+        bs = self.cache.block_size
+        width = -(-S // bs)
+        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], device=self.device)
+        offsets = torch.arange(bs, device=self.device)
+        slots = table[:, :, None] * bs + offsets  # (B, blocks, bs)
+        return slots.reshape(len(tables), width * bs)[:, :S]  # (B, S)

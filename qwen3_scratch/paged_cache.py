@@ -1,0 +1,79 @@
+"""The paged KV cache: one preallocated pool of fixed-size blocks, read through block tables.
+
+The static cache (kv_cache.py) gives each row of a batch its own contiguous run of slots, sized for
+the longest generation up front. A server does not know its batch in advance: requests come and go,
+and their lengths differ by 100x. So memory is cut into blocks of `block_size` token slots, shared
+by all requests; a request holds a list of blocks (its block table, block_manager.py) and grows by
+one block at a time. Nothing is reserved for tokens that are never generated, and a block of a
+shared prefix can sit in several tables at once (prefix caching).
+
+The model does not change. Its attention calls `cache.update(layer, k, v, slots)` and attends over
+the first S = mask.shape[-1] keys returned; `PagedView` implements that `update`: it writes the new
+keys/values into their slots of the pool, then *gathers* each row's keys/values, in token order,
+through its block table into a dense (B, K, S, D) tensor. The mask hides the gather's padding.
+
+What the gather costs against a contiguous cache: attention over a contiguous cache reads each cached
+key/value once; the gather reads it, writes a dense copy, and attention reads the copy: about 3x the
+memory traffic of the attention's own reads, per layer per step. Decode is dominated by reading the
+weights, so at short contexts this is small; it grows with context x batch. Measured on the 0.6B
+shapes by scripts/benchmark_serving.py (docs/performance.md, "Serving"). A fused paged-attention
+kernel (vLLM's) reads blocks in place and avoids the copy; plain PyTorch cannot without one.
+
+Slots are numbered block_id * block_size + offset, so the pool is stored slot-major and one index
+tensor addresses both the write (index_copy_) and the gather (indexing).
+
+Shapes: L layers, N pool slots (num_blocks x block_size), K kv heads, D head_dim,
+B rows, T new tokens per row, S keys attended per row.
+"""
+
+import torch
+
+from .config import Qwen3Config
+
+
+class PagedKVCache:
+    """The pool itself: keys and values for every slot of every block, allocated once."""
+
+    def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, device=None, dtype=torch.float32):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (config.num_hidden_layers, num_blocks * block_size, config.num_key_value_heads, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, N, K, D)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, N, K, D)
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def view(self, write_slots: torch.Tensor, read_slots: torch.Tensor) -> "PagedView":
+        return PagedView(self, write_slots, read_slots)
+
+
+class PagedView:
+    """One forward's window on the pool, in the interface model.py's attention expects from a cache.
+
+    write_slots (B, T): where each new token's key/value goes.
+    read_slots (B, S): the slots of each row's keys in token order (its block table, expanded), padded
+        with any valid slot; the forward's mask must hide the padding.
+    """
+
+    def __init__(self, cache: PagedKVCache, write_slots: torch.Tensor, read_slots: torch.Tensor):
+        self.cache, self.write_slots, self.read_slots = cache, write_slots, read_slots
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots=None):
+        """Write k, v (B, K, T, D) into the pool; return this layer's keys/values per row, (B, K, S, D) each.
+
+        `slots` is whatever the model was handed as cache_slots (this view); the view's own
+        write_slots say where the tokens go.
+        """
+        B, K, T, D = k.shape
+        flat = self.write_slots.reshape(B * T)
+        # (B, K, T, D) -> (B, T, K, D) -> (B*T, K, D): one row per token, in the pool's slot-major layout
+        self.cache.keys[layer].index_copy_(0, flat, k.transpose(1, 2).reshape(B * T, K, D))
+        self.cache.values[layer].index_copy_(0, flat, v.transpose(1, 2).reshape(B * T, K, D))
+        keys = self.cache.keys[layer][self.read_slots]  # (B, S, K, D): the gather through block tables
+        values = self.cache.values[layer][self.read_slots]  # (B, S, K, D)
+        return keys.transpose(1, 2), values.transpose(1, 2)  # (B, K, S, D) each
+
+
+def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Pool slots of tokens start..end-1 of a sequence with this block table."""
+    return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
