@@ -89,6 +89,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache)
         self.sequences: dict[str, Sequence] = {}
         self.texts: dict[str, TextState] = {}
+        self.num_preemptions = 0  # over the engine's life (metrics)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> Sequence:
         """Queue a request; it joins the running batch at a coming step. Bad requests raise GenerationError."""
@@ -136,6 +137,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        self.num_preemptions += len(batch.preempted)
         if batch.empty:
             return []
         logits = self.runner.run(batch)

@@ -17,6 +17,7 @@ All prompts go to the engine at once; continuous batching runs them (engine.py).
 import itertools
 from dataclasses import dataclass, field
 
+from .chat_parser import parse_assistant, prompt_opens_thinking
 from .engine import LLMEngine
 from .params import RequestParams
 from .pipeline import pick_device, pick_dtype
@@ -112,8 +113,6 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:  # fmt: skip
         """One RequestOutput per conversation; outputs[0].message holds the parsed reply (reasoning apart,
         tool calls parsed), outputs[0].text the raw text. messages: one list of dicts, or a list of them."""
-        from .chat_parser import ThinkingState, parse_assistant  # TODO(merge main): top-level
-
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.chat_ids(m, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
@@ -122,7 +121,7 @@ class LLM:
         ]
         outputs = self._run([(None, ids) for ids in prompts], sampling_params)
         for out in outputs:
-            thinking = ThinkingState.prompt_opens_thinking(out.prompt_token_ids, self.tokenizer)
+            thinking = prompt_opens_thinking(out.prompt_token_ids, self.tokenizer)
             completion = out.outputs[0]
             completion.message = parse_assistant(completion.token_ids, self.tokenizer, in_reasoning=thinking)
         return outputs

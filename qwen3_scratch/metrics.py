@@ -1,0 +1,63 @@
+"""The server's numbers, in Prometheus text (`GET /metrics`), written by the engine thread only.
+
+Names follow vLLM's where one exists (`vllm:num_requests_running` -> `qwen3_num_requests_running`),
+so dashboards built for it need only the prefix changed.
+"""
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds; CPU decode steps run from milliseconds (tiny models) to seconds (large ones).
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServingMetrics:
+    def __init__(self, window_seconds: float = 10.0):
+        self.registry = CollectorRegistry()  # one per server, so tests can start several in a process
+        r = self.registry
+        self.running = Gauge("qwen3_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("qwen3_num_requests_waiting", "Requests waiting for KV memory", registry=r)
+        self.blocks_used = Gauge("qwen3_kv_blocks_used", "KV cache blocks held by requests", registry=r)
+        self.blocks_total = Gauge("qwen3_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.hit_rate = Gauge("qwen3_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up",
+                              registry=r)  # fmt: skip
+        self.tokens_per_second = Gauge("qwen3_generation_tokens_per_second",
+                                       f"Output tokens per second over the last {window_seconds:g} s", registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("qwen3_prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("qwen3_generation_tokens", "Output tokens generated", registry=r)
+        self.preemptions = Counter("qwen3_num_preemptions", "Requests preempted for KV memory", registry=r)
+        self.ttft = Histogram("qwen3_time_to_first_token_seconds", "Request arrival to its first output token",
+                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram("qwen3_time_per_output_token_seconds", "Mean time between a request's output tokens",
+                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.window = window_seconds
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
+
+    def step(self, engine, new_tokens: int, preempted: int) -> None:
+        """After each engine step: the queue and memory gauges, and the token rate."""
+        scheduler, blocks = engine.scheduler, engine.blocks
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.blocks_used.set(blocks.num_used)
+        self.blocks_total.set(blocks.num_blocks)
+        self.hit_rate.set(blocks.prefix_hit_rate)
+        self.generation_tokens.inc(new_tokens)
+        self.preemptions.inc(preempted)
+        now = time.monotonic()
+        self._recent.append((now, new_tokens))
+        while self._recent and self._recent[0][0] < now - self.window:
+            self._recent.popleft()
+        span = now - self._recent[0][0] if len(self._recent) > 1 else self.window
+        self.tokens_per_second.set(sum(n for _, n in self._recent) / max(span, 1e-9))
+
+    def finished(self, arrival: float, first_token: float | None, end: float, output_tokens: int) -> None:
+        if first_token is None:
+            return
+        self.ttft.observe(first_token - arrival)
+        if output_tokens > 1:
+            self.tpot.observe((end - first_token) / (output_tokens - 1))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

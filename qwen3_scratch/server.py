@@ -1,0 +1,173 @@
+"""The HTTP server: OpenAI's API on FastAPI, over the engine thread (async_engine.py).
+
+Routes only translate: JSON -> token ids and RequestParams -> `AsyncEngine.generate` -> step outputs
+-> JSON (or server-sent events). Chat replies go through chat_parser, the same parser `LLM.chat`
+uses, so reasoning and tool calls come out alike on both paths.
+
+Every bad request gets OpenAI's error body `{"error": {"message", "type", "code"}}`: 400 for values
+the engine refuses (and malformed JSON), 404 for an unknown model or route, 422 for a body of the
+wrong shape, 401 for a missing or wrong API key. Nothing reaches the client as a traceback.
+"""
+
+import json
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from . import openai_protocol as api
+from .async_engine import AsyncEngine
+from .chat_parser import StreamParser, prompt_opens_thinking
+from .errors import Qwen3Error
+from .params import RequestParams
+from .tokenizer import Tokenizer
+
+
+class ServerError(Exception):
+    def __init__(self, status: int, message: str, type_: str, code: str):
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, defaults: RequestParams,
+              api_key: str | None = None) -> FastAPI:  # fmt: skip
+    app = FastAPI(title="qwen3-scratch", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    add_error_handlers(app)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                body = api.error_body("missing or wrong API key: send Authorization: Bearer <key>",
+                                      "authentication_error", "invalid_api_key")  # fmt: skip
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ServerError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
+                              "invalid_request_error", "model_not_found")  # fmt: skip
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "qwen3-scratch",
+                "max_model_len": engine.engine.context}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest):
+        check_model(body.model)
+        prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        params = body.params(defaults, body.max_tokens if body.max_tokens is not None else 16)
+        engine.check(prompt_ids, params)
+        request_id = api.new_id("cmpl")
+        steps = engine.generate(prompt_ids, params)
+        if body.stream:
+            return sse(stream_completion(steps, request_id, model_name, len(prompt_ids), body.include_usage))
+        text, out = "", None
+        async for out in steps:
+            text += out.new_text
+        used = api.usage(len(prompt_ids), len(out.seq.output_ids), out.seq.num_cached_prompt)
+        return api.completion_body(request_id, model_name, text, out.finish_reason, used)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: api.ChatCompletionRequest):
+        check_model(body.model)
+        tools = body.tools if body.tool_choice != "none" else None
+        prompt_ids = tokenizer.chat_ids(body.chat_messages(), enable_thinking=body.enable_thinking, tools=tools)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.params(defaults, max_tokens)
+        engine.check(prompt_ids, params)
+        parser = StreamParser(tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, tokenizer))
+        request_id = api.new_id("chatcmpl")
+        steps = engine.generate(prompt_ids, params)
+        if body.stream:
+            return sse(stream_chat(steps, parser, request_id, model_name, len(prompt_ids), body.include_usage))
+        out = None
+        async for out in steps:
+            for token in out.new_token_ids:
+                parser.push(token)
+        parser.finish()
+        parsed = parser.message()
+        used = api.usage(len(prompt_ids), len(out.seq.output_ids), out.seq.num_cached_prompt, parser.reasoning_tokens)
+        reason = api.chat_finish_reason(out.finish_reason, parsed.get("tool_calls"))
+        return api.chat_response(request_id, model_name, api.assistant_message(parsed), reason, used)
+
+    return app
+
+
+def sse(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def stream_completion(steps, request_id, model, prompt_tokens, include_usage):
+    async for out in steps:  # leaving this loop early (client gone) closes `steps`, which aborts the request
+        if out.new_text or out.finished:
+            yield event(api.completion_body(request_id, model, out.new_text, out.finish_reason, chunk=True))
+    if include_usage:
+        used = api.usage(prompt_tokens, len(out.seq.output_ids), out.seq.num_cached_prompt)
+        yield event({**api.completion_body(request_id, model, "", None, chunk=True), "choices": [], "usage": used})
+    yield "data: [DONE]\n\n"
+
+
+async def stream_chat(steps, parser: StreamParser, request_id, model, prompt_tokens, include_usage):
+    yield event(api.chat_chunk(request_id, model, {"role": "assistant", "content": ""}))
+    calls = 0
+    async for out in steps:
+        deltas = [d for token in out.new_token_ids for d in parser.push(token)]
+        if out.finished:
+            deltas += parser.finish()
+        for delta in deltas:
+            yield event(api.chat_chunk(request_id, model, api.delta_body(delta, calls)))
+            calls += delta.kind == "tool_call"
+    reason = api.chat_finish_reason(out.finish_reason, calls)
+    yield event(api.chat_chunk(request_id, model, {}, reason))
+    if include_usage:
+        used = api.usage(prompt_tokens, len(out.seq.output_ids), out.seq.num_cached_prompt, parser.reasoning_tokens)
+        yield event(api.chat_chunk(request_id, model, None, usage_body=used))
+    yield "data: [DONE]\n\n"
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    def reply(status: int, message: str, type_: str, code) -> JSONResponse:
+        return JSONResponse(api.error_body(message, type_, code), status_code=status)
+
+    @app.exception_handler(ServerError)
+    async def server_error(request, error: ServerError):
+        return reply(error.status, error.message, error.type, error.code)
+
+    @app.exception_handler(Qwen3Error)
+    async def engine_refused(request, error: Qwen3Error):
+        return reply(400, str(error), "invalid_request_error", "invalid_value")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request, error: RequestValidationError):
+        problems = error.errors()
+        if any(p.get("type") == "json_invalid" for p in problems):
+            return reply(400, "the request body is not valid JSON", "invalid_request_error", "invalid_json")
+        where = "; ".join(f"{'.'.join(str(x) for x in p['loc'] if x != 'body')}: {p['msg']}" for p in problems[:5])
+        return reply(422, f"invalid request body: {where}", "invalid_request_error", "invalid_body")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):
+        return reply(error.status_code, str(error.detail), "invalid_request_error", error.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, error: Exception):  # a bug: say so without leaking a traceback
+        return reply(500, f"internal error ({type(error).__name__})", "internal_server_error", 500)
