@@ -90,6 +90,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.texts: dict[str, TextState] = {}
         self.num_preemptions = 0  # over the engine's life (metrics)
+        self.num_aborted = 0
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> Sequence:
         """Queue a request; it joins the running batch at a coming step. Bad requests raise GenerationError."""
@@ -131,6 +132,7 @@ class LLMEngine:
         self.texts.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, "abort")
+            self.num_aborted += 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

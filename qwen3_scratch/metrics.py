@@ -27,6 +27,7 @@ class ServingMetrics:
                                        f"Output tokens per second over the last {window_seconds:g} s", registry=r)  # fmt: skip
         self.prompt_tokens = Counter("qwen3_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("qwen3_generation_tokens", "Output tokens generated", registry=r)
+        self.aborted = Gauge("qwen3_num_requests_aborted", "Requests whose client went away", registry=r)
         self.preemptions = Counter("qwen3_num_preemptions", "Requests preempted for KV memory", registry=r)
         self.ttft = Histogram("qwen3_time_to_first_token_seconds", "Request arrival to its first output token",
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
@@ -43,6 +44,7 @@ class ServingMetrics:
         self.blocks_used.set(blocks.num_used)
         self.blocks_total.set(blocks.num_blocks)
         self.hit_rate.set(blocks.prefix_hit_rate)
+        self.aborted.set(engine.num_aborted)
         self.generation_tokens.inc(new_tokens)
         self.preemptions.inc(preempted)
         now = time.monotonic()
