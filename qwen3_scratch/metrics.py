@@ -37,14 +37,8 @@ class ServingMetrics:
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
 
     def step(self, engine, new_tokens: int, preempted: int) -> None:
-        """After each engine step: the queue and memory gauges, and the token rate."""
-        scheduler, blocks = engine.scheduler, engine.blocks
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.blocks_used.set(blocks.num_used)
-        self.blocks_total.set(blocks.num_blocks)
-        self.hit_rate.set(blocks.prefix_hit_rate)
-        self.aborted.set(engine.num_aborted)
+        """After each engine step: the counters and the token rate."""
+        self.refresh(engine)
         self.generation_tokens.inc(new_tokens)
         self.preemptions.inc(preempted)
         now = time.monotonic()
@@ -54,6 +48,16 @@ class ServingMetrics:
         span = now - self._recent[0][0] if len(self._recent) > 1 else self.window
         self.tokens_per_second.set(sum(n for _, n in self._recent) / max(span, 1e-9))
 
+    def refresh(self, engine) -> None:
+        """The queue and memory gauges (plain reads of the engine's counters, safe from any thread)."""
+        scheduler, blocks = engine.scheduler, engine.blocks
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.blocks_used.set(blocks.num_used)
+        self.blocks_total.set(blocks.num_blocks)
+        self.hit_rate.set(blocks.prefix_hit_rate)
+        self.aborted.set(engine.num_aborted)
+
     def finished(self, arrival: float, first_token: float | None, end: float, output_tokens: int) -> None:
         if first_token is None:
             return
@@ -61,5 +65,6 @@ class ServingMetrics:
         if output_tokens > 1:
             self.tpot.observe((end - first_token) / (output_tokens - 1))
 
-    def text(self) -> bytes:
+    def text(self, engine) -> bytes:
+        self.refresh(engine)
         return generate_latest(self.registry)

@@ -58,7 +58,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, defaul
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(engine.metrics.text(engine.engine), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
