@@ -42,31 +42,49 @@ class StepOutput:
     seq: Sequence
 
 
-class TextState:
-    """A sequence's text so far, grown token by token, with its stop strings applied."""
+class StopText:
+    """Text that arrives in pieces, cut before the first stop string.
 
-    def __init__(self, tokenizer: Tokenizer, params: RequestParams):
-        self.detok = StreamingDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self.stop = params.stop
-        self.hold = max((len(s) for s in self.stop), default=1) - 1  # a stop string may still be forming
+    A stop string can span pieces, so the last len(longest stop) - 1 characters are held back until
+    the next piece shows whether a stop string starts there; `take` releases only what is final.
+    """
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
         self.text, self.emitted = "", 0
 
-    def push(self, token_id: int) -> bool:
-        """Add a token's text; True if a stop string appeared (the text is cut before it)."""
+    def push(self, piece: str) -> bool:
+        """Add a piece; True if a stop string appeared (the text is then cut before it)."""
         searched_from = max(len(self.text) - self.hold, 0)
-        self.text += self.detok.push(token_id)
+        self.text += piece
         hits = [i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]
         return bool(hits)
 
-    def take(self, finished: bool, stopped: bool) -> str:
-        """The text this step makes final: all of it once finished, else all but a possible stop string's start."""
-        if finished and not stopped:
-            self.text += self.detok.flush()  # a last incomplete character, as decode() would show it
+    def take(self, finished: bool) -> str:
+        """The text made final since the last take: all of it once finished."""
         end = len(self.text) if finished else max(len(self.text) - self.hold, self.emitted)
         piece, self.emitted = self.text[self.emitted : end], end
         return piece
+
+
+class TextState:
+    """A sequence's text so far, decoded token by token, with its stop strings applied."""
+
+    def __init__(self, tokenizer: Tokenizer, params: RequestParams):
+        self.detok = StreamingDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stop = StopText(params.stop)
+
+    def push(self, token_id: int) -> bool:
+        """Add a token's text; True if a stop string appeared."""
+        return self.stop.push(self.detok.push(token_id))
+
+    def take(self, finished: bool, stopped: bool) -> str:
+        if finished and not stopped:
+            self.stop.push(self.detok.flush())  # a last incomplete character, as decode() would show it
+        return self.stop.take(finished)
 
 
 class LLMEngine:

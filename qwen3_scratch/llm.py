@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from .chat_parser import parse_assistant, prompt_opens_thinking
-from .engine import LLMEngine
+from .engine import LLMEngine, StopText
 from .params import RequestParams
 from .pipeline import pick_device, pick_dtype
 from .hub import resolve_checkpoint
@@ -120,10 +120,14 @@ class LLM:
             for m in conversations
         ]
         outputs = self._run([(None, ids) for ids in prompts], sampling_params)
-        for out in outputs:
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(outputs)
+        for out, p in zip(outputs, params):
             thinking = prompt_opens_thinking(out.prompt_token_ids, self.tokenizer)
             completion = out.outputs[0]
             completion.message = parse_assistant(completion.token_ids, self.tokenizer, in_reasoning=thinking)
+            content = StopText(p.stop if p is not None else [])  # the answer ends before a stop string
+            content.push(completion.message["content"])
+            completion.message["content"] = content.take(finished=True)
         return outputs
 
     def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:

@@ -11,8 +11,9 @@ wrong shape, 401 for a missing or wrong API key. Nothing reaches the client as a
 
 import json
 import secrets
+from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,7 +21,8 @@ from starlette.exceptions import HTTPException
 
 from . import openai_protocol as api
 from .async_engine import AsyncEngine
-from .chat_parser import StreamParser, prompt_opens_thinking
+from .chat_parser import Delta, StreamParser, prompt_opens_thinking
+from .engine import StopText
 from .errors import Qwen3Error
 from .params import RequestParams
 from .tokenizer import Tokenizer
@@ -31,81 +33,114 @@ class ServerError(Exception):
         self.status, self.message, self.type, self.code = status, message, type_, code
 
 
+@dataclass
+class Serving:
+    """What the routes need, kept on app.state: the engine thread and how to talk to it."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    defaults: RequestParams  # the checkpoint's sampling defaults, for fields a request leaves out
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ServerError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                              "invalid_request_error", "model_not_found")  # fmt: skip
+
+
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, defaults: RequestParams,
               api_key: str | None = None) -> FastAPI:  # fmt: skip
     app = FastAPI(title="qwen3-scratch", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine = engine
+    app.state.serving = Serving(engine, tokenizer, model_name, defaults)
     add_error_handlers(app)
+    if api_key is not None:
+        app.middleware("http")(require_api_key(api_key))
+    app.include_router(router)
+    return app
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                body = api.error_body("missing or wrong API key: send Authorization: Bearer <key>",
-                                      "authentication_error", "invalid_api_key")  # fmt: skip
-                return JSONResponse(body, status_code=401)
+
+def require_api_key(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path.startswith("/v1") and not secrets.compare_digest(given, expected):
+            body = api.error_body("missing or wrong API key: send Authorization: Bearer <key>",
+                                  "authentication_error", "invalid_api_key")  # fmt: skip
+            return JSONResponse(body, status_code=401)
         return await call_next(request)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise ServerError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
-                              "invalid_request_error", "model_not_found")  # fmt: skip
+    return check
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(engine.metrics.text(engine.engine), media_type=CONTENT_TYPE_LATEST)
+router = APIRouter()
 
-    @app.get("/v1/models")
-    async def models():
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "qwen3-scratch",
-                "max_model_len": engine.engine.context}  # fmt: skip
-        return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(body: api.CompletionRequest):
-        check_model(body.model)
-        prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        params = body.params(defaults, body.max_tokens if body.max_tokens is not None else 16)
-        engine.check(prompt_ids, params)
-        request_id = api.new_id("cmpl")
-        steps = engine.generate(prompt_ids, params)
-        if body.stream:
-            return sse(stream_completion(steps, request_id, model_name, len(prompt_ids), body.include_usage))
-        text, out = "", None
-        async for out in steps:
-            text += out.new_text
-        used = api.usage(len(prompt_ids), len(out.seq.output_ids), out.seq.num_cached_prompt)
-        return api.completion_body(request_id, model_name, text, out.finish_reason, used)
+@router.get("/health")
+async def health():
+    return {"status": "ok"}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: api.ChatCompletionRequest):
-        check_model(body.model)
-        tools = body.tools if body.tool_choice != "none" else None
-        prompt_ids = tokenizer.chat_ids(body.chat_messages(), enable_thinking=body.enable_thinking, tools=tools)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.params(defaults, max_tokens)
-        engine.check(prompt_ids, params)
-        parser = StreamParser(tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, tokenizer))
-        request_id = api.new_id("chatcmpl")
-        steps = engine.generate(prompt_ids, params)
-        if body.stream:
-            return sse(stream_chat(steps, parser, request_id, model_name, len(prompt_ids), body.include_usage))
-        out = None
-        async for out in steps:
-            for token in out.new_token_ids:
-                parser.push(token)
-        parser.finish()
-        parsed = parser.message()
-        used = api.usage(len(prompt_ids), len(out.seq.output_ids), out.seq.num_cached_prompt, parser.reasoning_tokens)
-        reason = api.chat_finish_reason(out.finish_reason, parsed.get("tool_calls"))
-        return api.chat_response(request_id, model_name, api.assistant_message(parsed), reason, used)
 
-    return app
+@router.get("/metrics")
+async def metrics(request: Request):
+    engine = request.app.state.serving.engine
+    return Response(engine.metrics.text(engine.engine), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    s: Serving = request.app.state.serving
+    card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "qwen3-scratch",
+            "max_model_len": s.engine.engine.context}  # fmt: skip
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/completions")
+async def completions(body: api.CompletionRequest, request: Request):
+    s: Serving = request.app.state.serving
+    s.check_model(body.model)
+    prompt_ids = s.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    params = body.params(s.defaults, body.max_tokens if body.max_tokens is not None else 16)  # OpenAI's default
+    s.engine.check(prompt_ids, params)
+    request_id = api.new_id("cmpl")
+    steps = s.engine.generate(prompt_ids, params)
+    if body.stream:
+        return sse(stream_completion(steps, request_id, s.model_name, len(prompt_ids), body.include_usage))
+    text, out = "", None
+    async for out in steps:
+        text += out.new_text
+    used = api.usage(len(prompt_ids), len(out.seq.output_ids), out.seq.num_cached_prompt)
+    return api.completion_body(request_id, s.model_name, text, out.finish_reason, used)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+    s: Serving = request.app.state.serving
+    s.check_model(body.model)
+    tools = body.tools if body.tool_choice != "none" else None
+    prompt_ids = s.tokenizer.chat_ids(body.chat_messages(), enable_thinking=body.enable_thinking, tools=tools)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = body.params(s.defaults, max_tokens)  # None: up to the context, as vLLM does for chat
+    s.engine.check(prompt_ids, params)
+    parser = StreamParser(s.tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, s.tokenizer))
+    request_id = api.new_id("chatcmpl")
+    steps = s.engine.generate(prompt_ids, params)
+    if body.stream:
+        events = stream_chat(steps, parser, StopText(params.stop), request_id, s.model_name, len(prompt_ids),
+                             body.include_usage)  # fmt: skip
+        return sse(events)
+    out = None
+    async for out in steps:
+        for token in out.new_token_ids:
+            parser.push(token)
+    parser.finish()
+    parsed = parser.message()
+    content = StopText(params.stop)  # the engine stopped at a stop string; the answer ends before it
+    content.push(parsed["content"])
+    parsed["content"] = content.take(finished=True)
+    used = api.usage(len(prompt_ids), len(out.seq.output_ids), out.seq.num_cached_prompt, parser.reasoning_tokens)
+    reason = api.chat_finish_reason(out.finish_reason, parsed.get("tool_calls"))
+    return api.chat_response(request_id, s.model_name, api.assistant_message(parsed), reason, used)
 
 
 def sse(events) -> StreamingResponse:
@@ -126,7 +161,7 @@ async def stream_completion(steps, request_id, model, prompt_tokens, include_usa
     yield "data: [DONE]\n\n"
 
 
-async def stream_chat(steps, parser: StreamParser, request_id, model, prompt_tokens, include_usage):
+async def stream_chat(steps, parser: StreamParser, content: StopText, request_id, model, prompt_tokens, include_usage):
     yield event(api.chat_chunk(request_id, model, {"role": "assistant", "content": ""}))
     calls = 0
     async for out in steps:
@@ -134,8 +169,14 @@ async def stream_chat(steps, parser: StreamParser, request_id, model, prompt_tok
         if out.finished:
             deltas += parser.finish()
         for delta in deltas:
-            yield event(api.chat_chunk(request_id, model, api.delta_body(delta, calls)))
+            if delta.kind == "content":  # held back while a stop string may be forming
+                content.push(delta.text)
+                delta = Delta("content", content.take(finished=False))
+            if delta.text or delta.tool_call:
+                yield event(api.chat_chunk(request_id, model, api.delta_body(delta, calls)))
             calls += delta.kind == "tool_call"
+    if tail := content.take(finished=True):
+        yield event(api.chat_chunk(request_id, model, {"content": tail}))
     reason = api.chat_finish_reason(out.finish_reason, calls)
     yield event(api.chat_chunk(request_id, model, {}, reason))
     if include_usage:

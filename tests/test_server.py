@@ -150,6 +150,16 @@ def test_reasoning_is_kept_apart_from_the_answer_in_messages_and_stream_deltas(s
     assert "".join(d.content or "" for d in deltas) == "Hello there!"
 
 
+def test_a_stop_string_ends_the_chat_answer_before_it_whole_and_streamed(scripted, client):
+    messages = [{"role": "user", "content": "Count."}]
+    script(scripted, messages, "One two STOP three four")
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=["STOP"])
+    assert reply.choices[0].message.content == "One two " and reply.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                            stop=["STOP"], stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "One two "
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
 
