@@ -44,12 +44,12 @@ class ModelRunner:
         S = max(lengths)
         tokens = torch.tensor([[c.seq.token_ids[c.start]] for c in chunks], device=self.device)  # (B, 1)
         positions = torch.tensor([[c.start] for c in chunks], device=self.device)  # (B, 1)
-        read = self.read_slots([c.seq.block_table for c in chunks], S)  # (B, S)
-        write = read.gather(1, positions)  # (B, 1): the new token's own slot
+        tables = self.block_tables([c.seq.block_table for c in chunks], S)  # (B, W)
+        write = self.slots(tables, positions)  # (B, 1): the new token's own slot
         keys = torch.arange(S, device=self.device)
         valid = keys[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # (B, S)
         mask = valid[:, None, None, :]  # (B, 1, 1, S): a row sees its own keys, not the padding
-        view = self.cache.view(write, read)
+        view = self.cache.view(write, tables)
         return self.model(tokens, positions, mask, view, write, last_only=True)[:, -1]  # (B, V)
 
     def prefill(self, chunk: Chunk) -> torch.Tensor:
@@ -57,18 +57,20 @@ class ModelRunner:
         seq, start, end = chunk.seq, chunk.start, chunk.end
         tokens = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, T)
         positions = torch.arange(start, end, device=self.device)[None, :]  # (1, T)
-        read = self.read_slots([seq.block_table], end)  # (1, S), S = end
-        write = read[:, start:end]  # (1, T)
-        keys = torch.arange(end, device=self.device)
+        tables = self.block_tables([seq.block_table], end)  # (1, W)
+        write = self.slots(tables, positions)  # (1, T)
+        keys = torch.arange(end, device=self.device)  # S = end: the prefix and this chunk
         mask = (keys[None, :] <= positions[0, :, None])[None, None]  # (1, 1, T, S): causal, prefix included
-        view = self.cache.view(write, read)
+        view = self.cache.view(write, tables)
         return self.model(tokens, positions, mask, view, write, last_only=True)[0, -1]  # (V,)
 
-    def read_slots(self, tables: list[list[int]], S: int) -> torch.Tensor:
-        """(B, S) pool slots of each row's tokens 0..S-1, through its block table; short rows padded."""
+    def block_tables(self, tables: list[list[int]], S: int) -> torch.Tensor:
+        """(B, W) the blocks holding each row's tokens 0..S-1, W = ceil(S / bs); short rows padded with block 0."""
+        width = -(-S // self.cache.block_size)
+        rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        return torch.tensor(rows, device=self.device)
+
+    def slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, T) pool slot of the token at each position: its block's first slot + its offset in the block."""
         bs = self.cache.block_size
-        width = -(-S // bs)
-        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], device=self.device)
-        offsets = torch.arange(bs, device=self.device)
-        slots = table[:, :, None] * bs + offsets  # (B, blocks, bs)
-        return slots.reshape(len(tables), width * bs)[:, :S]  # (B, S)
+        return tables.gather(1, positions // bs) * bs + positions % bs

@@ -9,8 +9,8 @@ shared prefix can sit in several tables at once (prefix caching).
 
 The model does not change. Its attention calls `cache.update(layer, k, v, slots)` and attends over
 the first S = mask.shape[-1] keys returned; `PagedView` implements that `update`: it writes the new
-keys/values into their slots of the pool, then *gathers* each row's keys/values, in token order,
-through its block table into a dense (B, K, S, D) tensor. The mask hides the gather's padding.
+keys/values into their slots of the pool, then *gathers* each row's blocks, in table order, into a
+dense (B, K, S, D) tensor. The mask hides the gather's padding.
 
 What the gather costs against a contiguous cache: attention over a contiguous cache reads each cached
 key/value once; the gather reads it, writes a dense copy, and attention reads the copy: about 3x the
@@ -19,8 +19,8 @@ weights, so at short contexts this is small; it grows with context x batch. Meas
 shapes by scripts/benchmark_serving.py (docs/performance.md, "Serving"). A fused paged-attention
 kernel (vLLM's) reads blocks in place and avoids the copy; plain PyTorch cannot without one.
 
-Slots are numbered block_id * block_size + offset, so the pool is stored slot-major and one index
-tensor addresses both the write (index_copy_) and the gather (indexing).
+Slots are numbered block_id * block_size + offset: the pool is stored slot-major, so a write indexes
+slots (index_copy_) and a gather indexes blocks of a (num_blocks, block_size, K, D) view of the same memory.
 
 Shapes: L layers, N pool slots (num_blocks x block_size), K kv heads, D head_dim,
 B rows, T new tokens per row, S keys attended per row.
@@ -43,37 +43,39 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def view(self, write_slots: torch.Tensor, read_slots: torch.Tensor) -> "PagedView":
-        return PagedView(self, write_slots, read_slots)
+    def view(self, write_slots: torch.Tensor, read_blocks: torch.Tensor) -> "PagedView":
+        return PagedView(self, write_slots, read_blocks)
 
 
 class PagedView:
     """One forward's window on the pool, in the interface model.py's attention expects from a cache.
 
-    write_slots (B, T): where each new token's key/value goes.
-    read_slots (B, S): the slots of each row's keys in token order (its block table, expanded), padded
-        with any valid slot; the forward's mask must hide the padding.
+    write_slots (B, T): the pool slot of each new token's key/value.
+    read_blocks (B, W): each row's block table, right-padded with any valid block id to the widest
+        row; the row's keys are these blocks' slots in order. The forward's mask must hide every slot
+        past the row's length (the model attends over the first S = mask.shape[-1] of them).
     """
 
-    def __init__(self, cache: PagedKVCache, write_slots: torch.Tensor, read_slots: torch.Tensor):
-        self.cache, self.write_slots, self.read_slots = cache, write_slots, read_slots
+    def __init__(self, cache: PagedKVCache, write_slots: torch.Tensor, read_blocks: torch.Tensor):
+        self.cache, self.write_slots, self.read_blocks = cache, write_slots, read_blocks
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots=None):
-        """Write k, v (B, K, T, D) into the pool; return this layer's keys/values per row, (B, K, S, D) each.
+        """Write k, v (B, K, T, D) into the pool; return this layer's keys/values per row, (B, K, W*bs, D) each.
 
-        `slots` is whatever the model was handed as cache_slots (this view); the view's own
-        write_slots say where the tokens go.
+        `slots` is whatever the model was handed as cache_slots; the view's write_slots say where
+        the tokens go.
         """
         B, K, T, D = k.shape
         flat = self.write_slots.reshape(B * T)
         # (B, K, T, D) -> (B, T, K, D) -> (B*T, K, D): one row per token, in the pool's slot-major layout
         self.cache.keys[layer].index_copy_(0, flat, k.transpose(1, 2).reshape(B * T, K, D))
         self.cache.values[layer].index_copy_(0, flat, v.transpose(1, 2).reshape(B * T, K, D))
-        keys = self.cache.keys[layer][self.read_slots]  # (B, S, K, D): the gather through block tables
-        values = self.cache.values[layer][self.read_slots]  # (B, S, K, D)
-        return keys.transpose(1, 2), values.transpose(1, 2)  # (B, K, S, D) each
+        return self._gather(self.cache.keys[layer]), self._gather(self.cache.values[layer])
 
-
-def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Pool slots of tokens start..end-1 of a sequence with this block table."""
-    return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
+    def _gather(self, pool: torch.Tensor) -> torch.Tensor:
+        # Index whole blocks, not single slots: one index per block_size tokens, each a contiguous run.
+        bs = self.cache.block_size
+        blocks = pool.view(-1, bs, *pool.shape[1:])  # (num_blocks, bs, K, D)
+        B, W = self.read_blocks.shape
+        rows = blocks[self.read_blocks].view(B, W * bs, *pool.shape[1:])  # (B, W*bs, K, D)
+        return rows.transpose(1, 2)  # (B, K, W*bs, D)
