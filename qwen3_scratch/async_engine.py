@@ -100,7 +100,13 @@ class AsyncEngine:
 
     def _step(self) -> None:
         preempted_before = self.engine.num_preemptions
-        outputs = self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # a bug: fail the requests in flight (HTTP 500) rather than hang them
+            for request_id in list(self.engine.sequences):
+                self.engine.abort(request_id)
+                self._deliver(request_id, error)
+            return
         now = time.monotonic()
         for out in outputs:
             timing = self.timing.get(out.request_id)

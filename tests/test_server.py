@@ -35,12 +35,14 @@ class ScriptedModel:
     those positions are forced to `ids` (the model still runs and fills the cache as usual)."""
 
     def __init__(self, model):
-        self.model, self.script = model, None
+        self.model, self.script, self.fail = model, None, False
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def __call__(self, input_ids, position_ids, *args, **kwargs):
+        if self.fail:
+            raise RuntimeError("injected failure")
         logits = self.model(input_ids, position_ids, *args, **kwargs)  # (B, 1, V)
         if self.script is not None:
             start, ids = self.script
@@ -98,6 +100,7 @@ def script(llm, messages, text, tools=None):
 def scripted(server):
     yield server[0]
     server[0].engine.runner.model.script = None
+    server[0].engine.runner.model.fail = False
 
 
 def all_blocks_free(llm):
@@ -242,6 +245,17 @@ def test_the_openai_client_raises_its_own_error_types(client):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=MODEL, prompt="word " * 3000, max_tokens=1)
+
+
+def test_an_engine_failure_is_a_500_error_body_and_the_server_keeps_serving(scripted, client, server):
+    scripted.engine.runner.model.fail = True
+    response = httpx.post(f"{server[1]}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)  # fmt: skip
+    assert response.status_code == 500 and response.json()["error"]["message"] == "internal error (RuntimeError)"
+    assert "Traceback" not in response.text
+    scripted.engine.runner.model.fail = False
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0).usage.completion_tokens >= 1
+    assert all_blocks_free(scripted)
 
 
 def test_the_api_key_is_required(server):
