@@ -126,7 +126,7 @@ class LLMEngine:
         return seq
 
     def check_prompt(self, prompt_ids: list[int], params: RequestParams) -> int:
-        """The request's max_tokens clipped to the context; raises if it can never run."""
+        """The request's max_tokens, clipped to the context (None: all that fit); raises if it can never run."""
         if not prompt_ids:
             raise GenerationError("the prompt is empty; send at least one token")
         if len(prompt_ids) >= self.context:
@@ -135,14 +135,23 @@ class LLMEngine:
             )
         if any(not 0 <= i < self.model.config.vocab_size for i in prompt_ids):
             raise GenerationError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
-        max_tokens = min(params.max_tokens or self.context, self.context - len(prompt_ids))
-        needed = self.blocks.blocks_for(len(prompt_ids) + max_tokens)
-        if needed > self.blocks.num_blocks:
-            raise GenerationError(
-                f"the request needs up to {needed} KV blocks but the pool has {self.blocks.num_blocks}; "
-                "lower max_tokens or start the engine with more blocks (--num-blocks)"
-            )
+        # The most tokens one sequence can ever hold: the context, or the whole pool if that is smaller.
+        capacity = min(self.context, self.blocks.num_blocks * self.blocks.block_size)
+        if params.max_tokens is None:  # "as many as fit"
+            if len(prompt_ids) >= capacity:
+                self._too_big(len(prompt_ids) + 1)
+            return capacity - len(prompt_ids)
+        max_tokens = min(params.max_tokens, self.context - len(prompt_ids))  # the context end stops it anyway
+        if len(prompt_ids) + max_tokens > capacity:
+            self._too_big(len(prompt_ids) + max_tokens)
         return max_tokens
+
+    def _too_big(self, tokens: int):
+        needed = self.blocks.blocks_for(tokens)
+        raise GenerationError(
+            f"the request needs up to {needed} KV blocks but the pool has {self.blocks.num_blocks}; "
+            "lower max_tokens or start the engine with more blocks (--num-blocks)"
+        )
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is (a client went away); its blocks return to the pool."""

@@ -142,6 +142,8 @@ def parse_args(argv=None):
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared system prompt for the prefix-cache test")
     p.add_argument("--prefix-repeats", type=int, default=2)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); 1 avoids barrier stalls on a busy machine")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "serving_cpu_0.6B.json"))
     return p.parse_args(argv)
 
@@ -149,6 +151,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_grad_enabled(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_average_at_start": os.getloadavg()}  # fmt: skip

@@ -57,13 +57,13 @@ def alone(model, ids, max_tokens, eos=()):
 
 
 def run_engine(engine, requests):
-    """requests: {id: (ids, params)}, all added up front -> {id: output token ids}."""
+    """requests: {id: (ids, params)}, all added up front -> {id: output token ids} (also of earlier requests)."""
     for request_id, (ids, params) in requests.items():
         engine.add_request(request_id, ids, params)
     outputs = {request_id: [] for request_id in requests}
     while engine.has_unfinished():
         for out in engine.step():
-            outputs[out.request_id] += out.new_token_ids
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
     return outputs
 
 
@@ -194,22 +194,34 @@ def test_chunked_prefill_gives_the_logits_of_one_whole_prefill(model):
         torch.testing.assert_close(row, whole, rtol=1e-4, atol=1e-4, msg=f"chunks of {chunk_size} tokens")
 
 
-def test_greedy_engine_equals_the_simple_loop_with_chunks_prefix_hits_and_preemption(model, tokenizer):
-    """Mixed lengths, a shared prefix, chunked prompts, and a pool too small for all at once."""
+@pytest.mark.parametrize("num_blocks, budget", [(256, 512), (14, 16)], ids=["roomy_pool", "pool_too_small_for_all"])
+def test_greedy_engine_equals_the_simple_loop_and_preemption_loses_nothing(model, tokenizer, num_blocks, budget):
+    """Mixed lengths, a shared prefix, chunked prompts; 14 blocks hold about a third of the requests at once."""
     shared = prompt(40, seed=2)
     prompts = [prompt(5, 3), prompt(90, 4), shared + prompt(6, 5), prompt(17, 6), shared + prompt(9, 7), prompt(2, 8)]
     lengths = [20, 12, 25, 30, 18, 24]
     eos = model.config.eos_token_ids
-    expected = {str(i): alone(model, p, n, eos) for i, (p, n) in enumerate(zip(prompts, lengths))}
-    for num_blocks, budget in [(256, 512), (14, 16)]:
-        engine = LLMEngine(model, tokenizer, eos, num_blocks=num_blocks, block_size=8, max_num_batched_tokens=budget)
-        requests = {str(i): (p, RequestParams(temperature=0, max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))}
-        got = run_engine(engine, requests)
-        assert got == expected, f"{num_blocks} blocks, budget {budget}: differs from each request run alone"
-        assert engine.blocks.num_free == num_blocks, "every block is back in the pool"
-        if num_blocks == 14:
-            assert engine.num_preemptions > 0, "the small pool must have forced preemption"
-    assert engine.blocks.hit_tokens > 0
+    engine = LLMEngine(model, tokenizer, eos, num_blocks=num_blocks, block_size=8, max_num_batched_tokens=budget)
+    requests = {str(i): (p, RequestParams(temperature=0, max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))}
+    got = run_engine(engine, requests)
+    for request_id, (ids, params) in requests.items():
+        assert got[request_id] == alone(model, ids, params.max_tokens, eos), f"request {request_id} differs from alone"
+    assert engine.blocks.num_free == num_blocks, "every block is back in the pool"
+    if num_blocks == 14:
+        assert engine.num_preemptions > 0, "the small pool must have forced preemption"
+        assert engine.blocks.hit_tokens > 0, "readmitted and later requests reuse cached blocks"
+
+
+def test_a_later_request_reuses_the_cached_prefix_and_gets_the_same_tokens(model, tokenizer):
+    eos = model.config.eos_token_ids
+    engine = LLMEngine(model, tokenizer, eos, num_blocks=64, block_size=8)
+    system = prompt(37, seed=16)
+    first, second = system + prompt(5, seed=17), system + prompt(11, seed=18)
+    params = RequestParams(temperature=0, max_tokens=15)
+    run_engine(engine, {"first": (first, params)})
+    seq = engine.add_request("second", second, params)
+    assert run_engine(engine, {})["second"] == alone(model, second, 15, eos)
+    assert seq.num_cached_prompt == 32, "the 4 full blocks of the shared 37 tokens came from the cache"
 
 
 def test_requests_added_between_steps_join_the_running_batch(model, tokenizer):
@@ -260,6 +272,10 @@ def test_impossible_requests_are_refused_before_they_run(model, tokenizer):
         engine.add_request("long", prompt(model.config.max_position_embeddings, 13), RequestParams())
     with pytest.raises(GenerationError, match="KV blocks but the pool has 4"):
         engine.add_request("big", prompt(10, 14), RequestParams(max_tokens=100))
+    unbounded = RequestParams(temperature=0, max_tokens=None, ignore_eos=True)
+    assert len(run_engine(engine, {"fits": (prompt(10, 15), unbounded)})["fits"]) == 4 * 8 - 10, (
+        "max_tokens=None generates until the sequence fills what the pool can hold"
+    )
     with pytest.raises(GenerationError, match="max_tokens must be"):
         RequestParams(max_tokens=0)
     with pytest.raises(GenerationError, match="top_p"):
