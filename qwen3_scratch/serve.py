@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     except Qwen3Error as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    blocks = llm.engine.blocks
+    print(f"KV pool: {blocks.num_blocks} blocks x {blocks.block_size} tokens = {blocks.num_blocks * blocks.block_size} "
+          f"token slots (context {llm.engine.context})", file=sys.stderr)  # fmt: skip
     engine = AsyncEngine(llm.engine).start()
     app = build_app(engine, llm.tokenizer, args.served_model_name or args.model, llm.get_default_sampling_params(),
                     api_key=args.api_key)  # fmt: skip

@@ -282,6 +282,16 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server):
     assert llm.engine.num_aborted == aborted + 1, "it was aborted, not run to its 1500 tokens"
 
 
+def test_serve_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from qwen3_scratch.serve import main
+
+    assert main(["--model", str(tmp_path / "missing"), "--local-files-only"]) == 2
+    assert main(["--model", str(tmp_path), "--block-size", "0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), lines
+    assert "block-size" in lines[1]
+
+
 # -- load ------------------------------------------------------------------------------------------
 
 
