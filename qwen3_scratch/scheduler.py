@@ -112,7 +112,9 @@ class Scheduler:
         for seq in list(self.running):  # 2. prompts already started
             if seq.status is Status.RUNNING and seq.num_uncomputed > 1 and budget > 0:
                 budget -= self._add_prefill(seq, budget, batch)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:  # 3. admissions
+        # 3. admissions; none in a step that preempted: the pool is short, and readmitting what was just
+        # preempted would only recompute it and preempt it again
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
             # one block spare for its first decode, so a fresh admission does not preempt at once
             if not self.blocks.can_allocate(seq.token_ids, reserve=1 if self.running else 0):
