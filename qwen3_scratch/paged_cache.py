@@ -14,10 +14,12 @@ dense (B, K, S, D) tensor. The mask hides the gather's padding.
 
 What the gather costs against a contiguous cache: attention over a contiguous cache reads each cached
 key/value once; the gather reads it, writes a dense copy, and attention reads the copy: about 3x the
-memory traffic of the attention's own reads, per layer per step. Decode is dominated by reading the
-weights, so at short contexts this is small; it grows with context x batch. Measured on the 0.6B
-shapes by scripts/benchmark_serving.py (docs/performance.md, "Serving"). A fused paged-attention
-kernel (vLLM's) reads blocks in place and avoids the copy; plain PyTorch cannot without one.
+memory traffic of the attention's own reads, per layer per step. At short contexts decode is
+dominated by reading the weights and this is small; it grows with context x batch. Measured on the
+0.6B shapes (fp32, CPU; scripts/benchmark_serving.py, docs/performance.md "Serving"): one decode step
+of 16 rows at 512 tokens took 6.4 s paged against 3.0 s on the contiguous cache (2.1x), since the
+gather then copies 1.9 GB a step, as much as the weights. A fused paged-attention kernel (vLLM's)
+reads the blocks in place; plain PyTorch cannot without one.
 
 Slots are numbered block_id * block_size + offset: the pool is stored slot-major, so a write indexes
 slots (index_copy_) and a gather indexes blocks of a (num_blocks, block_size, K, D) view of the same memory.
