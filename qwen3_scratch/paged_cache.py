@@ -17,8 +17,8 @@ key/value once; the gather reads it, writes a dense copy, and attention reads th
 memory traffic of the attention's own reads, per layer per step. At short contexts decode is
 dominated by reading the weights and this is small; it grows with context x batch. Measured on the
 0.6B shapes (fp32, CPU; scripts/benchmark_serving.py, docs/performance.md "Serving"): one decode step
-of 16 rows at 512 tokens took 6.4 s paged against 3.0 s on the contiguous cache (2.1x), since the
-gather then copies 1.9 GB a step, as much as the weights. A fused paged-attention kernel (vLLM's)
+of 16 rows at 512 tokens took 1.6x to 2.1x the contiguous cache's (1.8 s against 1.1 s on a busy
+2-core machine), since the gather then copies 1.9 GB a step, as much as the weights. A fused paged-attention kernel (vLLM's)
 reads the blocks in place; plain PyTorch cannot without one.
 
 Slots are numbered block_id * block_size + offset: the pool is stored slot-major, so a write indexes
