@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="a local checkpoint folder or a Hub id (default %(default)s)")
     p.add_argument("--weights-dir", default="weights", help="where Hub models are downloaded (default %(default)s)")
     p.add_argument("--local-files-only", action="store_true", help="never touch the network")
+    p.add_argument("--revision", help="the Hub branch, tag or commit to download (default: main)")
+    p.add_argument("--verify", action="store_true",
+                   help="hash every file again and compare with the Hub's list, fetching what differs (~1 s per GB)")  # fmt: skip
     p.add_argument("--prompt", action="append", help="the prompt; repeat it to run a batch (default: stdin)")
     p.add_argument("--prompts-file", type=Path, help="a file with one prompt per line, run as a batch")
     p.add_argument("--system", help="a system message (chat mode)")
@@ -60,7 +63,8 @@ def read_prompts(args) -> list[str]:
 
 def run(args) -> None:
     prompts = read_prompts(args)
-    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype)
+    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
+                         revision=args.revision, verify=args.verify)  # fmt: skip
     request = GenerationRequest(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, seed=args.seed, use_cache=args.kv_cache,
