@@ -250,7 +250,7 @@ def is_transport_error(error: BaseException) -> bool:
     huggingface_hub 2.x raises httpx2's errors, 1.x httpx's, 0.x requests'; they share no base class with
     the builtins, so they are recognised by their library. HTTP status errors arrive as HfHubHTTPError.
     """
-    if isinstance(error, HfHubHTTPError):
-        return False
+    if isinstance(error, HfHubHTTPError) or type(error).__name__ == "HTTPStatusError":
+        return False  # the server answered
     library = type(error).__module__.split(".")[0]
     return isinstance(error, (ConnectionError, TimeoutError)) or library in {"httpx", "httpx2", "requests", "urllib3"}

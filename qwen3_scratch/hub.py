@@ -223,7 +223,13 @@ def _explain(error: Exception, repo_id: str, revision: str | None, folder: Path,
 
 
 def is_unreachable(error: Exception) -> bool:
-    return any(is_transport_error(e) for e in _chain(error))
+    """A failed connection somewhere in the chain, and no HTTP answer from the Hub above it."""
+    for e in _chain(error):
+        if isinstance(e, HfHubHTTPError):
+            return False  # the Hub answered (404, 401...): being offline is not the problem
+        if is_transport_error(e):
+            return True
+    return False
 
 
 def _chain(error: BaseException):

@@ -107,6 +107,8 @@ class FakeHub(BaseHTTPRequestHandler):
             data = bytearray(data)
             data[len(data) // 2] ^= 0xFF
             data = bytes(data)
+        if filename in server.padded:  # more bytes than listed, announced in Content-Length
+            data += b"\0" * 1000
         if filename in server.endless:  # no Content-Length, and a body that never ends
             self.send_response(200)
             self.end_headers()
@@ -163,6 +165,7 @@ def serve_fake_hub(repos: dict):
     server.tampered = set()  # filenames whose every GET sends other bytes of the same size
     server.trickle = {}  # filename -> (bytes per write, seconds between writes)
     server.endless = set()  # filenames whose body never ends
+    server.padded = set()  # filenames served with 1000 bytes more than the listing says
     server.sent = {}  # filename -> body bytes sent so far (trickled files)
     server.ranges = []
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
