@@ -1,6 +1,6 @@
 """One file from the Hub onto disk, trusting the server for nothing but what its metadata promised.
 
-`hub.py` decides which files to fetch; this module fetches one of them:
+`snapshot.py` decides which files to fetch; this module fetches one of them:
 
 - the body may not be longer than the size the Hub lists, so an endless body is cut and never fills the disk;
 - every byte received buys `1 / min_bytes_per_second` seconds on top of a grace period, so a server that
@@ -15,6 +15,7 @@ once (a thread pool waits for every file in flight), and Qwen3's small models ar
 """
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -100,6 +101,9 @@ def fetch_file(session, url: str, remote: RemoteFile, folder: Path, limits: Down
     """Download `remote` into `folder`, checked against its metadata; a file that fails is fetched once more."""
     partial = folder / PARTIAL_DIR / f"{remote.name}.{remote.oid[:16]}.incomplete"
     partial.parent.mkdir(parents=True, exist_ok=True)
+    for stale in partial.parent.glob(f"{glob.escape(remote.name)}.*.incomplete"):
+        if stale != partial:  # left by an interrupted download of another version of the file
+            stale.unlink()
     for attempt in (1, 2):
         try:
             _Transfer(session, url, remote, partial, limits, headers, progress).run()
@@ -150,7 +154,7 @@ class _Transfer:
         asked = {**self.headers, "Accept-Encoding": "identity"}
         if self.have:
             asked["Range"] = f"bytes={self.have}-"
-        with _stream(self.session, self.url, asked, self.deadline.read_timeout(self.have)) as response:
+        with _stream(self.session, self.url, asked, self.deadline.read_timeout()) as response:
             if response.status_code != 206:  # a fresh start, or a server that ignored the Range
                 self.have, self.hasher = 0, self.remote.hasher()
                 self.bar.reset(total=size)
@@ -172,9 +176,9 @@ class _Transfer:
 
 def fetch_json(session, url: str, limits: DownloadLimits, *, headers) -> object:
     """A small JSON document (a repo's file list), under the same kind of deadline and a size cap."""
-    deadline = _Deadline(url, limits.metadata_bytes, limits, limits.read_timeout or constants.HF_HUB_ETAG_TIMEOUT)
+    deadline = _Deadline(url, None, limits, limits.read_timeout or constants.HF_HUB_ETAG_TIMEOUT)
     body = bytearray()
-    with _stream(session, url, headers, deadline.read_timeout(0)) as response:
+    with _stream(session, url, headers, deadline.read_timeout()) as response:
         for piece in response.iter_raw():
             body += piece
             if len(body) > limits.metadata_bytes:
@@ -211,7 +215,7 @@ class _Deadline:
     the grace period, however big the file.
     """
 
-    def __init__(self, name: str, size: int, limits: DownloadLimits, silence: float | None):
+    def __init__(self, name: str, size: int | None, limits: DownloadLimits, silence: float | None):
         self.name, self.size, self.limits, self.start = name, size, limits, time.monotonic()
         self.received = 0  # bytes received by this transfer (not those already on disk)
         self.silence = silence or constants.HF_HUB_DOWNLOAD_TIMEOUT
@@ -222,13 +226,14 @@ class _Deadline:
 
     def check(self, have: int) -> None:
         if self.left() < 0:
+            of = f" of {self.size}" if self.size is not None else ""
             raise HubError(
-                f"{self.name}: the Hub sent {have} of {self.size} bytes in {time.monotonic() - self.start:.1f} s, "
+                f"{self.name}: the Hub sent {have}{of} bytes in {time.monotonic() - self.start:.1f} s, "
                 f"slower than the minimum of {self.limits.min_bytes_per_second:.0f} bytes/s; what arrived is kept "
                 "for the next try: check the network, or try again later"
             )
 
-    def read_timeout(self, have: int) -> float:
+    def read_timeout(self) -> float:
         """The longest wait for the next bytes: the silence allowed, but not much past the deadline."""
         return max(min(self.silence, self.left() + 0.5), 0.1)
 
@@ -247,8 +252,8 @@ def _hash_prefix(partial: Path, have: int, remote: RemoteFile):
 def is_transport_error(error: BaseException) -> bool:
     """A connection that failed, dropped or timed out, whichever HTTP library this huggingface_hub uses.
 
-    huggingface_hub 2.x raises httpx2's errors, 1.x httpx's, 0.x requests'; they share no base class with
-    the builtins, so they are recognised by their library. HTTP status errors arrive as HfHubHTTPError.
+    huggingface_hub 2.x raises httpx2's errors, 1.x httpx's; they share no base class with the builtins,
+    so they are recognised by their library. HTTP status errors arrive as HfHubHTTPError.
     """
     if isinstance(error, HfHubHTTPError) or type(error).__name__ == "HTTPStatusError":
         return False  # the server answered

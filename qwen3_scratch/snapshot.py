@@ -64,18 +64,14 @@ def sync_folder(repo_id: str, revision, folder: Path, *, endpoint: str, verify: 
     commit, files = list_files(session, endpoint, repo_id, revision, limits, headers)
     folder.mkdir(parents=True, exist_ok=True)
     with folder_lock(folder, limits.lock_timeout):
-        record = {**read_record(folder), "repo_id": repo_id, "commit": commit}
+        known = read_record(folder)["files"]
+        record = {"repo_id": repo_id, "commit": commit, "files": {}}
         for remote in files:
             path = folder / remote.name
-            if not verify and _unchanged_since_hashed(path, remote, record["files"].get(remote.name)):
-                continue
-            if path.exists():
-                if matches(path, remote):
-                    _remember(record, folder, path, remote)
-                    continue
-                log.warning("%s %s; downloading it again", path, _how_it_differs(path, remote))
-            url = f"{endpoint}/{repo_id}/resolve/{quote(commit, safe='')}/{quote(remote.name)}"
-            fetch_file(session, url, remote, folder, limits, headers=headers, progress=progress)
+            if verify or not _unchanged_since_hashed(path, remote, known.get(remote.name)):
+                if not _already_there(path, remote):
+                    url = f"{endpoint}/{repo_id}/resolve/{quote(commit, safe='')}/{quote(remote.name)}"
+                    fetch_file(session, url, remote, folder, limits, headers=headers, progress=progress)
             _remember(record, folder, path, remote)
 
 
@@ -127,11 +123,20 @@ def _unchanged_since_hashed(path: Path, remote: RemoteFile, entry: dict | None) 
     return path.is_file() and entry == _entry(path, remote)
 
 
-def _how_it_differs(path: Path, remote: RemoteFile) -> str:
-    size = path.stat().st_size if path.is_file() else None
+def _already_there(path: Path, remote: RemoteFile) -> bool:
+    """Whether a file we have not hashed (or that changed since) is the Hub's after all; if not, say why."""
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a folder where the repo has a file: move it away and try again")
+    if not path.exists():
+        return False
+    if matches(path, remote):
+        return True
+    size = path.stat().st_size
+    differs = f"does not match the {remote.hash_name}"
     if size != remote.size:
-        return f"is {size} bytes, not the {remote.size} the Hub lists"
-    return f"does not match the {remote.hash_name} the Hub lists"
+        differs = f"is {size} bytes, not the {remote.size}"
+    log.warning("%s %s the Hub lists; downloading it again", path, differs)
+    return False
 
 
 def read_record(folder: Path) -> dict:
@@ -146,7 +151,9 @@ def read_record(folder: Path) -> dict:
 
 
 def _entry(path: Path, remote: RemoteFile) -> dict:
-    return {"size": remote.size, "sha256": remote.sha256, "blob_id": remote.blob_id, "mtime_ns": path.stat().st_mtime_ns}
+    """What we note about a verified file; the mtime tells us later whether anything has written to it since."""
+    mtime_ns = path.stat().st_mtime_ns
+    return {"size": remote.size, "sha256": remote.sha256, "blob_id": remote.blob_id, "mtime_ns": mtime_ns}
 
 
 def _remember(record: dict, folder: Path, path: Path, remote: RemoteFile) -> None:

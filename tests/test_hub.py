@@ -495,7 +495,7 @@ def test_ctrl_c_during_a_download_exits_at_once_with_one_line_and_leaves_it_resu
         out, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
-    assert time.monotonic() - sent_at < 5, "Ctrl-C must not wait for the transfer in flight"
+    assert time.monotonic() - sent_at < 10, "Ctrl-C must not wait for the transfer in flight (it used to take ~35 s)"
     assert proc.returncode == 130, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in err, err
