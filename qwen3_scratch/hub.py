@@ -25,7 +25,7 @@ from huggingface_hub.utils import (
 )
 
 from .download import PARTIAL_DIR, DownloadLimits, is_transport_error
-from .errors import CheckpointError, HubError
+from .errors import CheckpointError, HubError, Qwen3Error
 from .snapshot import RECORD, check_against_record, read_record, sync_folder
 from .weights import INDEX_FILE, DamagedFile, checkpoint_files, read_raw_header
 
@@ -67,12 +67,12 @@ def resolve_checkpoint(
         if not verify:
             return verify_checkpoint(local, hint=_hint_for(local))
         source = read_record(local)
-        if source.get("repo_id") is None:
+        model, revision, folder = source.get("repo_id"), source.get("commit"), local
+        if not (isinstance(model, str) and HUB_ID.fullmatch(model) and isinstance(revision, str)):
             raise CheckpointError(
                 f"--verify: {local} has no record of the Hub repo it came from ({RECORD}); "
                 "pass its Hub id (--model org/name) to check it against the Hub"
             )
-        model, revision, folder = source["repo_id"], source["commit"], local
     else:
         folder = Path(weights_dir).expanduser() / model.split("/")[1]
     if local_files_only:
@@ -124,11 +124,15 @@ def _local_folder(model: str, weights_dir) -> Path | None:
     in_weights = len(local.parts) == 2 and local.parts[0] == weights.name
     if in_weights and (weights / local.parts[1]).is_dir():
         return weights / local.parts[1]
-    if in_weights or _looks_like_path(model) or not HUB_ID.fullmatch(model):
-        what = "a file, not a folder" if local.exists() else f"looked for {local.absolute()}"
+    if in_weights:
         raise CheckpointError(
-            f"no checkpoint folder at {model} ({what}; a relative path starts in the current folder "
-            f"{Path.cwd()}): pass an existing folder, or a Hub id such as Qwen/Qwen3-0.6B"
+            f"no checkpoint folder at {model} (looked for {local.absolute()}: a relative path starts in the current "
+            f"folder); run from the folder that holds {local.parts[0]}/, or pass the full path"
+        )
+    if _looks_like_path(model) or not HUB_ID.fullmatch(model):
+        what = "it is a file, not a folder" if local.exists() else f"looked for {local.absolute()}"
+        raise CheckpointError(
+            f"no checkpoint folder at {model} ({what}): pass an existing folder, or a Hub id such as Qwen/Qwen3-0.6B"
         )
     return None
 
@@ -162,8 +166,8 @@ def _download(repo_id, folder: Path, revision, endpoint, progress, verify, limit
         log.warning("interrupted: the download of %s stops; what arrived is kept in %s and the next run continues "
                     "from there", repo_id, folder / PARTIAL_DIR)  # fmt: skip
         raise
-    except HubError:
-        raise
+    except Qwen3Error:
+        raise  # already one line: ours
     except Exception as error:
         message = _explain(error, repo_id, revision, folder, endpoint)
         if message is None:

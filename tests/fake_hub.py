@@ -7,6 +7,7 @@ Nothing here reaches the real Hub.
 """
 
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -32,6 +33,21 @@ def is_lfs(path: Path) -> bool:
     return path.suffix in LFS_SUFFIXES or path.stat().st_size >= LFS_MIN_SIZE
 
 
+def digests(path: Path) -> dict:
+    """The Hub's metadata for one file: size, git blob id, and for an LFS file its sha256."""
+    stat = path.stat()
+    return _digests(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _digests(path: Path, size: int, mtime_ns: int) -> dict:  # hashed once per version of a file
+    data = path.read_bytes()
+    entry = {"size": size, "blobId": git_blob_id(data)}
+    if is_lfs(path):
+        entry["lfs"] = {"size": size, "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
+    return entry
+
+
 class FakeHub(BaseHTTPRequestHandler):
     """Model info and /resolve/ (HEAD, GET, Range) for the repos in `self.server.repos`."""
 
@@ -53,9 +69,12 @@ class FakeHub(BaseHTTPRequestHandler):
             repo, endpoint, revision = m.groups()
             if snapshot := self._snapshot(repo, revision or "main"):
                 commit, folder = snapshot
-                blobs = parse_qs(url.query).get("blobs") == ["true"]
-                files = self._files(folder, blobs)
-                listing = files if endpoint == "tree" else {"id": repo, "sha": commit, "siblings": files}
+                if endpoint == "tree":  # huggingface_hub's snapshot_download lists files here
+                    listing = [{"type": "file", "path": f["rfilename"], "size": f["size"], "oid": f["blobId"]}
+                               for f in self._files(folder, blobs=True)]  # fmt: skip
+                else:
+                    blobs = parse_qs(url.query).get("blobs") == ["true"]
+                    listing = {"id": repo, "sha": commit, "siblings": self._files(folder, blobs)}
                 self._send(200, {"Content-Type": "application/json"}, json.dumps(listing).encode(), body)
         elif m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
             repo, revision, filename = m.groups()
@@ -84,10 +103,7 @@ class FakeHub(BaseHTTPRequestHandler):
         for p in sorted(p for p in folder.rglob("*") if p.is_file()):
             entry = {"rfilename": p.relative_to(folder).as_posix()}
             if blobs:
-                data = p.read_bytes()
-                entry.update(size=len(data), blobId=git_blob_id(data))
-                if is_lfs(p):
-                    entry["lfs"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
+                entry.update(digests(p))
             siblings.append(entry)
         return siblings
 
@@ -98,8 +114,8 @@ class FakeHub(BaseHTTPRequestHandler):
         file = folder / filename
         if not file.is_file():
             return self._send(404, {"X-Error-Code": "EntryNotFound"}, b"", body=False)
-        data = file.read_bytes()
-        oid = hashlib.sha256(data).hexdigest() if is_lfs(file) else git_blob_id(data)
+        data, meta = file.read_bytes(), digests(file)
+        oid = meta["lfs"]["sha256"] if "lfs" in meta else meta["blobId"]
         headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{oid}"', "Accept-Ranges": "bytes"}
         if self.command != "GET":
             return self._send(200, headers, data, body=False)
