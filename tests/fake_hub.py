@@ -74,7 +74,8 @@ class FakeHub(BaseHTTPRequestHandler):
                                for f in self._files(folder, blobs=True)]  # fmt: skip
                 else:
                     blobs = parse_qs(url.query).get("blobs") == ["true"]
-                    listing = {"id": repo, "sha": commit, "siblings": self._files(folder, blobs)}
+                    siblings = self.server.edit_listing(self._files(folder, blobs))
+                    listing = {"id": repo, "sha": commit, "siblings": siblings}
                 self._send(200, {"Content-Type": "application/json"}, json.dumps(listing).encode(), body)
         elif m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
             repo, revision, filename = m.groups()
@@ -184,6 +185,7 @@ def serve_fake_hub(repos: dict):
     server.padded = set()  # filenames served with 1000 bytes more than the listing says
     server.sent = {}  # filename -> body bytes sent so far (trickled files)
     server.ranges = []
+    server.edit_listing = lambda siblings: siblings  # a test may swap in a hostile file list
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     # A short poll interval so that shutdown() returns at once rather than after the default 0.5 s.
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub import constants
+from huggingface_hub import constants, snapshot_download
 from transformers import AutoModelForCausalLM
 
 from checkpoints import build_checkpoint, load_reference
@@ -407,6 +407,42 @@ def test_only_files_the_repo_lists_are_ever_replaced(hub, source, tmp_path):
     for name, data in mine.items():
         assert (folder / name).read_bytes() == data, f"{name} is not the repo's: it must not be touched"
     assert (folder / shards(source)[0]).read_bytes() == (source / shards(source)[0]).read_bytes()
+
+
+def test_a_download_left_by_snapshot_download_is_hashed_so_a_tampered_file_is_fetched(hub, source, tmp_path):
+    # huggingface_hub's own bookkeeping (.cache/huggingface/ in the folder) calls this shard up to date;
+    # ours has no record of it, so it is hashed before it is trusted.
+    folder = tmp_path / "tiny-qwen3"
+    snapshot_download(REPO, local_dir=folder, endpoint=hub.url, tqdm_class=None)
+    assert (folder / ".cache" / "huggingface").is_dir()
+    shard = folder / shards(source)[0]
+    tamper(shard, keep_mtime=True)
+    before = len(file_gets(hub))
+    assert download(hub, tmp_path) == folder
+    assert shard.read_bytes() == (source / shard.name).read_bytes()
+    assert file_gets(hub)[before:] == [f"/{REPO}/resolve/{COMMIT}/{shard.name}"], "only the tampered file"
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("rfilename", "config\x1b[2J.json", "file name"),  # a terminal escape in a name
+        ("size", -1, "size of"),
+        ("size", "12", "size of"),
+        ("blobId", "not-a-hash", "hash of"),
+        ("lfs", {"size": 1, "sha256": "../../etc/passwd", "pointerSize": 1}, "hash of"),
+    ],
+)
+def test_a_malformed_file_list_is_one_line_and_writes_nothing(hub, tmp_path, field, value, named):
+    def edit(siblings):
+        entry = next(s for s in siblings if s["rfilename"] == "config.json")
+        entry[field] = value
+        return siblings
+
+    hub.edit_listing = edit
+    with pytest.raises(HubError, match=f"sent a malformed file list for {REPO} .*{named}"):
+        download(hub, tmp_path)
+    assert file_gets(hub) == [] and not (tmp_path / "tiny-qwen3").exists(), "nothing fetched or written"
 
 
 # --- a Hub that stalls or floods us ---------------------------------------------------------------------------
