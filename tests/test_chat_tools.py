@@ -10,7 +10,6 @@ import pytest
 import transformers
 
 from qwen3_scratch.tokenizer import Tokenizer
-from real_vocab import build_real_vocab_tokenizer
 
 IM_START, IM_END, TOOL_CALL, END_TOOL_CALL = 151644, 151645, 151657, 151658
 
@@ -64,8 +63,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return build_real_vocab_tokenizer(tmp_path_factory.mktemp("qwen3-real-vocab-tools"))
+def folder(real_vocab_folder):
+    return real_vocab_folder
 
 
 @pytest.fixture(scope="module")
