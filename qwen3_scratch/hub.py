@@ -125,16 +125,24 @@ def _local_folder(model: str, weights_dir) -> Path | None:
     if in_weights and (weights / local.parts[1]).is_dir():
         return weights / local.parts[1]
     if in_weights:
-        raise CheckpointError(
-            f"no checkpoint folder at {model} (looked for {local.absolute()}: a relative path starts in the current "
-            f"folder); run from the folder that holds {local.parts[0]}/, or pass the full path"
-        )
+        raise CheckpointError(f"no checkpoint folder at {model} (looked for {local.absolute()}){_what_to_do(local)}")
     if _looks_like_path(model) or not HUB_ID.fullmatch(model):
         what = "it is a file, not a folder" if local.exists() else f"looked for {local.absolute()}"
         raise CheckpointError(
             f"no checkpoint folder at {model} ({what}): pass an existing folder, or a Hub id such as Qwen/Qwen3-0.6B"
         )
     return None
+
+
+def _what_to_do(local: Path) -> str:
+    """For a missing "weights/<name>": the names that are there, or where a relative path starts."""
+    if local.parent.is_dir():
+        there = sorted(p.name for p in local.parent.iterdir() if (p / "config.json").is_file())[:5]
+        return f": check the name ({local.parent}/ holds {', '.join(there) or 'no checkpoint'})"
+    return (
+        f": a relative path starts in the current folder; run from the folder that holds {local.parent}/, or pass "
+        "the full path"
+    )
 
 
 def _looks_like_path(model: str) -> bool:

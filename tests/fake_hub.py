@@ -144,6 +144,12 @@ class FakeHub(BaseHTTPRequestHandler):
         self.end_headers()
         if filename in server.cut_once:  # the connection drops mid-file
             data = data[: server.cut_once.pop(filename)]
+        if filename in server.hold:  # half the file, then wait until the test lets it go on
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            server.sent[filename] = len(data) // 2
+            server.hold[filename].wait(timeout=10)
+            data = data[len(data) // 2 :]
         step, pause = server.trickle.get(filename, (len(data), 0))
         for i in range(0, len(data), max(step, 1)):
             self.wfile.write(data[i : i + step])
@@ -183,7 +189,8 @@ def serve_fake_hub(repos: dict):
     server.trickle = {}  # filename -> (bytes per write, seconds between writes)
     server.endless = set()  # filenames whose body never ends
     server.padded = set()  # filenames served with 1000 bytes more than the listing says
-    server.sent = {}  # filename -> body bytes sent so far (trickled files)
+    server.hold = {}  # filename -> threading.Event: send half the file, then wait for the event
+    server.sent = {}  # filename -> body bytes sent so far (trickled or held files)
     server.ranges = []
     server.edit_listing = lambda siblings: siblings  # a test may swap in a hostile file list
     server.url = f"http://127.0.0.1:{server.server_address[1]}"

@@ -485,7 +485,7 @@ def test_a_body_longer_than_the_listed_size_is_cut_and_discarded(hub, source, tm
 
 def test_two_downloads_into_one_folder_both_succeed_and_fetch_each_file_once(hub, source, tmp_path, caplog):
     shard = shards(source)[0]
-    hub.trickle[shard] = (4096, 0.05)  # slow enough that the second starts while the first holds the lock
+    hub.hold[shard] = threading.Event()  # the first download stops mid-shard, holding the folder's lock
     results = {}
 
     def run(name):
@@ -494,14 +494,19 @@ def test_two_downloads_into_one_folder_both_succeed_and_fetch_each_file_once(hub
         except Exception as e:  # reported below, with the thread's name
             results[name] = e
 
+    def wait_for(condition):
+        for _ in range(500):
+            if condition():
+                return
+            time.sleep(0.02)
+
     first = threading.Thread(target=run, args=("first",))
     first.start()
-    for _ in range(200):
-        if hub.sent.get(shard):
-            break
-        time.sleep(0.02)
+    wait_for(lambda: hub.sent.get(shard))
     second = threading.Thread(target=run, args=("second",))
     second.start()
+    wait_for(lambda: "waiting for it" in caplog.text)
+    hub.hold[shard].set()
     first.join(timeout=30)
     second.join(timeout=30)
     folder = tmp_path / "tiny-qwen3"
