@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-files-only", action="store_true", help="never touch the network")
     p.add_argument("--revision", help="the Hub branch, tag or commit to download (default: main)")
     p.add_argument("--verify", action="store_true",
-                   help="hash every file again, compare with the Hub, re-fetch what differs (~1 s per GB)")  # fmt: skip
+                   help="hash every file again, compare with the Hub, re-fetch what differs (default: off)")  # fmt: skip
     p.add_argument("--prompt", action="append", help="the prompt; repeat it to run a batch (default: stdin)")
     p.add_argument("--prompts-file", type=Path, help="a file with one prompt per line, run as a batch")
     p.add_argument("--system", help="a system message (chat mode)")
