@@ -132,9 +132,10 @@ class FakeHub(BaseHTTPRequestHandler):
             while True:
                 self.wfile.write(b"\0" * 65536)
         status, first = 200, 0
+        # a client resumes a broken transfer with "Range: bytes=N-"
         if start := re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", "")):
-            # a client resumes a broken transfer with "Range: bytes=N-"
             server.ranges.append(f"{filename}: {start.group(0)}")
+        if start and not server.ignore_ranges:
             status, first = 206, int(start.group(1))
             headers["Content-Range"] = f"bytes {first}-{len(data) - 1}/{len(data)}"
         data = data[first:]
@@ -192,6 +193,7 @@ def serve_fake_hub(repos: dict):
     server.hold = {}  # filename -> threading.Event: send half the file, then wait for the event
     server.sent = {}  # filename -> body bytes sent so far (trickled or held files)
     server.ranges = []
+    server.ignore_ranges = False  # True: answer a Range request with the whole file (200), as some mirrors do
     server.edit_listing = lambda siblings: siblings  # a test may swap in a hostile file list
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     # A short poll interval so that shutdown() returns at once rather than after the default 0.5 s.

@@ -7,6 +7,7 @@ test is bounded in time (short deadlines through DownloadLimits, explicit timeou
 """
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -128,10 +129,12 @@ def test_damaged_shard_is_fetched_again(hub, tmp_path, damage):
     assert file_gets(hub)[before:] == [f"/{REPO}/resolve/{COMMIT}/{shard.name}"], "only the damaged shard is fetched"
 
 
-def test_transfer_cut_mid_file_resumes_with_a_range_request(hub, source, tmp_path):
+@pytest.mark.parametrize("ranges", ["honoured", "ignored"])
+def test_transfer_cut_mid_file_resumes_with_a_range_request(hub, source, tmp_path, ranges):
     shard = shards(source)[0]
     cut = (source / shard).stat().st_size // 2
     hub.cut_once[shard] = cut
+    hub.ignore_ranges = ranges == "ignored"  # then the whole file comes again, and must replace the partial one
     folder = download(hub, tmp_path)
     assert (folder / shard).read_bytes() == (source / shard).read_bytes()
     assert hub.ranges == [f"{shard}: bytes={cut}-"], "the retry should ask only for what is missing"
@@ -516,6 +519,18 @@ def test_two_downloads_into_one_folder_both_succeed_and_fetch_each_file_once(hub
     assert "is writing into" in caplog.text and "waiting for it" in caplog.text, "the second says why it waits"
     for name in shards(source):
         assert (folder / name).read_bytes() == (source / name).read_bytes()
+
+
+def test_a_download_that_holds_the_folder_too_long_is_reported_clearly(hub, tmp_path):
+    lock = tmp_path / "tiny-qwen3" / ".cache" / "qwen3-scratch" / "lock"
+    lock.parent.mkdir(parents=True)
+    with open(lock, "w") as held:  # as another process in the middle of a download would
+        held.write("4242")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(HubError, match=r"another download \(pid 4242\) has been writing into .*tiny-qwen3 for"):
+            download(hub, tmp_path, limits=DownloadLimits(lock_timeout=0.3))
+    assert file_gets(hub) == [], "nothing is fetched without the lock"
 
 
 def test_ctrl_c_during_a_download_exits_at_once_with_one_line_and_leaves_it_resumable(hub, chat_source, tmp_path):
