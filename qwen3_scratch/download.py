@@ -155,7 +155,7 @@ class _Transfer:
         if self.have:
             asked["Range"] = f"bytes={self.have}-"
         with _stream(self.session, self.url, asked, self.deadline.read_timeout()) as response:
-            if response.status_code != 206:  # a fresh start, or a server that ignored the Range
+            if self.have and response.status_code != 206:  # the server ignored the Range: start over
                 self.have, self.hasher = 0, self.remote.hasher()
                 self.bar.reset(total=size)
             length = response.headers.get("Content-Length", "")
