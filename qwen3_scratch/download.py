@@ -40,7 +40,7 @@ ERROR_BODY_BYTES = 2**16  # the most of an error page we read to explain it
 class DownloadLimits:
     """What one download may cost before it is abandoned with a one-line HubError."""
 
-    min_bytes_per_second: float = 50_000  # the average a transfer must keep up once the grace period is over
+    min_bytes_per_second: float = 20_000  # the average a transfer must keep up once the grace period is over
     grace_seconds: float = 30.0  # free time per file: connecting, TLS, redirects, a slow start
     read_timeout: float | None = None  # longest silence; None: HF_HUB_DOWNLOAD_TIMEOUT (HF_HUB_ETAG_TIMEOUT for lists)
     retries: int = 3  # reconnections (continuing with a Range request) after a dropped connection
