@@ -19,7 +19,14 @@ import torch
 from .errors import GenerationError
 from .generate import generate_tokens
 from .hub import resolve_checkpoint
-from .inputs import DEFAULT_BATCH_SIZE, DEFAULT_MODEL, MAX_BYTES_PER_TOKEN, canonical_dtype, count_tokens_upto
+from .inputs import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MODEL,
+    MAX_BYTES_PER_TOKEN,
+    canonical_dtype,
+    check_prompt,
+    count_tokens_upto,
+)
 from .sampling import (
     NON_FINITE,
     check_min_p,
@@ -138,11 +145,15 @@ class Pipeline:
         if len(text) > context * MAX_BYTES_PER_TOKEN:
             raise GenerationError(f"{what} is {len(text):,} characters, more than the model's context of {context} "
                                   f"tokens can hold at {MAX_BYTES_PER_TOKEN} per token; shorten the prompt")  # fmt: skip
+        check_prompt(text, what)  # UTF-8 (no lone surrogates) and the reading limit, as the CLI's input
         if len(text) >= context and (n := count_tokens_upto(self.tokenizer.encode, text, context)) >= context:
             raise GenerationError(f"{what} is at least {n} tokens but the model's context is {context}; shorten the prompt")
 
     def stream_ids(self, prompts: list[list[int]], request: GenerationRequest) -> Iterator[list[int]]:
-        """Yield each step's new token per row (-1 for finished rows), timing the run into last_stats."""
+        """Yield each step's new token per row (-1 for finished rows), timing the run into last_stats.
+
+        Logits that turn NaN or inf raise GenerationError at that step, naming it (sample() marks the
+        row on the device; the .tolist() that streaming needs anyway is where we see the mark)."""
         params = resolve_sampling_params(
             self.generation_config, request.temperature, request.top_k, request.top_p, request.min_p
         )

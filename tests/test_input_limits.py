@@ -171,6 +171,11 @@ def test_prompts_file_that_is_not_a_file(tmp_path, make):
         read_prompts(prompts_file=path)
 
 
+def test_api_prompt_with_a_lone_surrogate_is_an_input_error(pipe):
+    with pytest.raises(InputError, match="the prompt: byte 3 is not UTF-8"):
+        pipe.prompt_ids("abc\udcff" + "x" * 3000, chat=False)
+
+
 # --- batches ---------------------------------------------------------------------------------------
 
 
