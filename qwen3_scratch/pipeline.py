@@ -127,15 +127,17 @@ class Pipeline:
 
     def prompt_ids(self, prompt: str, system: str | None = None, chat: bool = True, thinking: bool = True,
                    what: str = "the prompt"):  # fmt: skip
-        """Token ids for one prompt, wrapped in the checkpoint's chat template unless chat=False."""
+        """Token ids for one prompt, wrapped in the checkpoint's chat template unless chat=False.
+
+        In chat mode the prompt and system message are text, even where they spell a control token;
+        with chat=False the prompt is the whole raw prompt, control tokens included, written by hand."""
         self.check_fits(prompt, what)
         if system is not None:
             self.check_fits(system, "the system message")
         if not chat:
             return self.tokenizer.encode(prompt)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.chat_ids(messages, add_generation_prompt=True, enable_thinking=thinking)
 
     def check_fits(self, text: str, what: str = "the prompt") -> None:
         """Refuse a text that cannot fit the context, cheaply, before it is fully tokenized: first by
