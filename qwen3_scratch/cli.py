@@ -115,13 +115,13 @@ def check_template_flags(args) -> None:
 
 
 def run(args) -> None:
-    request = request_from_args(args)
     check_template_flags(args)
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
-    prompts = read_prompts(args.prompt, args.prompts_file, sys.stdin)
+    prompts = read_prompts(args.prompt, args.prompts_file, sys.stdin)  # before torch: bad input fails fast
     if (args.prompt or args.prompts_file) and stdin_waiting(sys.stdin):
         print(f"{PROG}: warning: ignoring stdin, the prompt comes from --prompt/--prompts-file", file=sys.stderr)
+    request = request_from_args(args)
     from .pipeline import Pipeline
 
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype)
