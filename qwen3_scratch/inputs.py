@@ -146,8 +146,9 @@ def count_tokens_upto(encode: Callable[[str], list], text: str, limit: int) -> i
     """len(encode(text)) when that is at most `limit`; otherwise some count > limit of a prefix.
 
     The prefix starts at 4 x limit characters and doubles, so a text far over the limit costs about
-    `limit` tokens of work. Each prefix is cut just before a space: Qwen's pre-tokenizer never merges
-    across that point, so the prefix's tokens are the first tokens of the whole text.
+    `limit` tokens of work. Each prefix is cut just before a space, a word boundary where Qwen's
+    pre-tokenizer splits anyway, so the prefix's tokens are the first tokens of the whole text (inside
+    a run of spaces, one more at most): a count over the limit proves the whole text is over it.
     """
     size = 4 * limit
     while size < len(text):
