@@ -152,6 +152,8 @@ def _read_moe(raw: dict) -> dict:
     num_experts = raw.get("num_experts", raw.get("num_local_experts"))
     if num_experts is None:
         raise KeyError("num_experts")
+    if num_experts == 0:  # transformers would quietly build a dense model; that is not a Qwen3-MoE checkpoint
+        raise ConfigError("num_experts must be an integer >= 1 for model_type qwen3_moe, got 0")
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=raw["num_experts_per_tok"],
