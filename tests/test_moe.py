@@ -257,3 +257,39 @@ def test_moe_parameter_count_equals_the_built_model(tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["num_experts"] = config.pop("num_local_experts")  # transformers 5's name for it
     assert moe_parameter_counts(config)[0] == sum(p.numel() for p in load_model(path).parameters())
+
+
+def test_decode_step_bytes_count_only_the_chosen_experts(pristine):
+    """bandwidth_util must divide by what a step reads: batch 1 reads k of E experts per MoE layer."""
+    from qwen3_scratch.stats import bytes_per_decode_step, weight_bytes
+
+    model = load_model(pristine)
+    c = model.config
+    expert = 3 * c.hidden_size * c.moe_intermediate_size * 4  # fp32
+    embedding = c.vocab_size * c.hidden_size * 4  # untied: only lm_head's copy is read whole
+    unread = c.num_hidden_layers * (c.num_experts - c.num_experts_per_tok) * expert
+    assert bytes_per_decode_step(model, c, 0, 1) == weight_bytes(model) - embedding - unread
+    assert bytes_per_decode_step(model, c, 0, 64) > bytes_per_decode_step(model, c, 0, 1), "more rows, more experts"
+
+
+def test_cli_generates_from_the_tiny_moe_checkpoint(tmp_path, capsys):
+    """scripts/make_tiny_checkpoint.py --moe writes a checkpoint that the CLI and transformers both run alike."""
+    from make_tiny_checkpoint import main as make_tiny
+    from qwen3_scratch.cli import main as cli
+    from qwen3_scratch.tokenizer import Tokenizer
+
+    make_tiny(["--moe", "--out", str(tmp_path / "tiny-moe")])
+    path = tmp_path / "tiny-moe"
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_moe"
+    capsys.readouterr()
+    code = cli(["--model", str(path), "--prompt", "Hello", "--no-chat", "--temperature", "0",
+                "--max-new-tokens", "12", "--ignore-eos", "--show-stats"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "bandwidth_util=" in err.splitlines()[-1]
+    tokenizer = Tokenizer.from_checkpoint(path)
+    ids = tokenizer.encode("Hello")
+    theirs = load_moe_reference(path).generate(
+        torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+    )[0, len(ids) :].tolist()
+    assert out == tokenizer.decode(theirs) + "\n", "the CLI's greedy text differs from transformers' on the same ids"
