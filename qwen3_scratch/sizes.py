@@ -93,7 +93,8 @@ def moe_parameter_counts(config: dict) -> tuple[int, int]:
     the dense MLP elsewhere, both embedding matrices (the lookup touches one row; lm_head reads all).
     """
     C, V, D = config["hidden_size"], config["vocab_size"], config["head_dim"]
-    H, K, E, k = config["num_attention_heads"], config["num_key_value_heads"], config["num_experts"], config["num_experts_per_tok"]
+    H, K = config["num_attention_heads"], config["num_key_value_heads"]
+    E, k = config["num_experts"], config["num_experts_per_tok"]
     step, dense_layers = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers", [])
     attention = C * H * D + 2 * C * K * D + H * D * C + 2 * D + 2 * C  # q, k, v, o, q/k norms, two RMSNorms
     expert = 3 * C * config["moe_intermediate_size"]

@@ -199,7 +199,8 @@ def _check_expert_count(entries: dict[str, TensorEntry], config: Qwen3Config) ->
             file = next(entries[name].file for name in entries if name.startswith(prefix))
             raise CheckpointError(
                 f"{file}: layer {i} has {len(stored)} experts but config.json implies {expected} "
-                "(num_experts, decoder_sparse_step, mlp_only_layers); the config and the weights are from different models"
+                "(num_experts, decoder_sparse_step, mlp_only_layers); the config and the weights are from "
+                "different models"
             )
 
 
