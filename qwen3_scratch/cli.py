@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import Qwen3Error
+from .errors import Qwen3Error, printable
 from .pipeline import DEFAULT_MODEL, GenerationRequest, Pipeline
 
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except Qwen3Error as e:
-        print(f"qwen3-generate: error: {e}", file=sys.stderr)
+        print(f"qwen3-generate: error: {printable(e, limit=2000)}", file=sys.stderr)  # one line, however it was built
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
