@@ -176,7 +176,7 @@ class Qwen3Config:
                 num_hidden_layers=raw["num_hidden_layers"],
                 num_attention_heads=raw["num_attention_heads"],
                 num_key_value_heads=_given(raw, "num_key_value_heads", raw["num_attention_heads"]),
-                head_dim=_given(raw, "head_dim", None) or _derived_head_dim(raw),
+                head_dim=raw["head_dim"] if raw.get("head_dim") is not None else _derived_head_dim(raw),
                 max_position_embeddings=raw["max_position_embeddings"],
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
