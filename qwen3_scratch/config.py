@@ -8,7 +8,7 @@ is refused with a ConfigError rather than silently building a different model.
 """
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -80,6 +80,7 @@ YARN_RULES = {
     "beta_slow": Rule("number", 0, 1e4, above_low=True),
     "truncate": Rule("bool"),
 }
+YARN_ATTENTION_FACTOR = Rule("number", 0, 1e4, above_low=True)  # or null: 0.1 * ln(factor) + 1
 # Fields checked by hand in __post_init__, because their rule depends on another field or is not a number.
 SPECIAL_FIELDS = {"rope_scaling", "torch_dtype", "eos_token_ids", "bos_token_id"}
 
@@ -97,8 +98,9 @@ class RopeScaling:
 
     def __post_init__(self):
         check_rules(self, YARN_RULES)
-        if self.attention_factor is not None and not Rule("number", 0, 1e4, above_low=True).allows(self.attention_factor):
-            raise ConfigError(f"yarn attention_factor must be null or a finite number > 0, got {self.attention_factor!r}")
+        if self.attention_factor is not None and not YARN_ATTENTION_FACTOR.allows(self.attention_factor):
+            raise ConfigError(f"yarn attention_factor must be null or {YARN_ATTENTION_FACTOR.describe()}, "
+                              f"got {printable(repr(self.attention_factor), 80)}")  # fmt: skip
         self.factor, self.beta_fast, self.beta_slow = float(self.factor), float(self.beta_fast), float(self.beta_slow)
 
 
@@ -138,7 +140,8 @@ class Qwen3Config:
                 raise ConfigError(f"{name} must be a token id in [0, vocab_size={self.vocab_size}), got "
                                   f"{printable(repr(token_id), 80)}; fix config.json")  # fmt: skip
         if not isinstance(self.torch_dtype, str) or self.torch_dtype not in DTYPES:
-            raise ConfigError(f"dtype {printable(repr(self.torch_dtype), 80)} is not supported; expected one of {sorted(DTYPES)}")
+            raise ConfigError(f"dtype {printable(repr(self.torch_dtype), 80)} is not supported; "
+                              f"expected one of {sorted(DTYPES)}")  # fmt: skip
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -153,7 +156,8 @@ class Qwen3Config:
         if path.is_dir() and path.name != "config.json":  # a folder; a folder *named* config.json is refused below
             path = path / "config.json"
         if not path.exists():
-            raise ConfigError(f"{printable(path)}: not found; a checkpoint folder needs the config.json it was saved with")
+            raise ConfigError(f"{printable(path)}: not found; a checkpoint folder needs the config.json "
+                              "it was saved with")  # fmt: skip
         return cls.from_dict(read_json(path, ConfigError), source=printable(path))
 
     @classmethod
@@ -238,7 +242,8 @@ def _read_rope(raw: dict) -> tuple[float, RopeScaling | None]:
     if rope_type == "default":
         return theta, None
     if rope_type != "yarn":
-        raise ConfigError(f"rope type {printable(repr(rope_type), 80)} is not implemented; supported: 'default', 'yarn'")
+        raise ConfigError(f"rope type {printable(repr(rope_type), 80)} is not implemented; "
+                          "supported: 'default', 'yarn'")  # fmt: skip
     if "factor" not in params or "original_max_position_embeddings" not in params:
         raise ConfigError("yarn rope scaling needs 'factor' and 'original_max_position_embeddings'")
     if params.get("mscale") or params.get("mscale_all_dim"):

@@ -102,7 +102,8 @@ def _diagnose(file: Path, reason: str) -> str:
 def _last_tensor_end(header: bytes) -> tuple[str, int] | None:
     """(name, end offset) of the tensor that ends last, if the header is readable enough to say."""
     try:
-        ends = {name: int(info["data_offsets"][1]) for name, info in json.loads(header).items() if name != "__metadata__"}
+        entries = json.loads(header).items()
+        ends = {name: int(info["data_offsets"][1]) for name, info in entries if name != "__metadata__"}
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
         return None
     return max(ends.items(), key=lambda item: item[1], default=None)
@@ -148,7 +149,8 @@ def read_weight_map(folder: Path) -> dict[str, str] | None:
         return None
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map of file names); download it again")
+        raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map of file names); "
+                              "download it again")  # fmt: skip
     for shard in set(weight_map.values()):
         if shard in ("", ".", "..") or "/" in shard or "\\" in shard or "\0" in shard:
             raise CheckpointError(
