@@ -26,6 +26,10 @@ class GenerationError(Qwen3Error):
     """Bad generation settings: impossible sampling values, a prompt longer than the context."""
 
 
+class InputError(Qwen3Error):
+    """A prompt that cannot be used: unreadable, not UTF-8, or larger than the documented limits."""
+
+
 def printable(text, limit: int = 200) -> str:
     """`text` made safe to print inside a one-line message: control characters escaped, length bounded.
 
