@@ -22,6 +22,7 @@ A safetensors file is: 8 bytes (little-endian u64 N), N bytes of JSON header
 """
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     shard: object  # the library's open handle on `file` (a safe_open), which maps it once
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class DamagedFile(CheckpointError):
