@@ -52,6 +52,7 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     shard: object  # the library's open handle on `file` (a safe_open), which maps it once
+    rows: tuple | None = None  # an index into the stored tensor `name` (one expert of a fused tensor), or all of it
 
     @property
     def nbytes(self) -> int:
@@ -208,8 +209,11 @@ def check_config_matches_tensors(config: Qwen3Config, entries: dict[str, TensorE
         first + "self_attn.q_proj.weight": (H * D, C),
         first + "self_attn.k_proj.weight": (K * D, C),
         first + "self_attn.q_norm.weight": (D,),
-        first + "mlp.gate_proj.weight": (Fi, C),
     }
+    if config.is_moe_layer(0):
+        implied[first + "mlp.experts.0.gate_proj.weight"] = (config.moe_intermediate_size, C)
+    else:
+        implied[first + "mlp.gate_proj.weight"] = (Fi, C)
     for name, shape in implied.items():
         if name not in entries:
             raise CheckpointError(f"{printable(weights)} has no tensor {name}, which config.json implies; "
@@ -218,6 +222,59 @@ def check_config_matches_tensors(config: Qwen3Config, entries: dict[str, TensorE
             raise CheckpointError(
                 f"{printable(entries[name].file)}: tensor {name} has shape {list(entries[name].shape)} but "
                 f"{folder / 'config.json'} implies {list(shape)}; the config and the weights are from different models"
+            )
+
+
+def split_fused_experts(entries: dict[str, TensorEntry], config: Qwen3Config) -> dict[str, TensorEntry]:
+    """Checkpoint tensors -> model parameters, for MoE checkpoints written in transformers 5's fused layout.
+
+    The Hub's Qwen3-MoE repos store each expert's weights under its own keys, which are our parameter
+    names. transformers 5 holds (and, with save_pretrained(save_original_format=False), writes) each
+    layer's experts as two stacked tensors instead:
+        mlp.experts.gate_up_proj (E, 2I, C): expert e's gate_proj rows then its up_proj rows
+        mlp.experts.down_proj    (E, C, I)
+    Each expert's slice of those is a contiguous run of bytes, so it becomes an entry of its own that
+    points into the same file: loading stays a per-parameter view of the mapping, with no copy.
+    The fused tensors' shape and dtype are checked here, so errors name the checkpoint's own keys.
+    """
+    fused = [name for name in entries if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
+    if not fused:
+        return entries
+    entries = dict(entries)
+    E, I, C = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    for name in fused:
+        entry = entries.pop(name)
+        prefix, _, kind = name.rpartition(".")  # "model.layers.N.mlp.experts", "gate_up_proj" | "down_proj"
+        expected = (E, 2 * I, C) if kind == "gate_up_proj" else (E, C, I)
+        if entry.shape != expected or entry.dtype != config.dtype:
+            raise CheckpointError(
+                f"{printable(entry.file)}: tensor {printable(name)} is {entry.dtype} {list(entry.shape)} but config.json implies "
+                f"{config.dtype} {list(expected)}; the config and the weights are from different models"
+            )
+        parts = ["gate_proj", "up_proj"] if kind == "gate_up_proj" else ["down_proj"]
+        part_shape = (I, C) if kind == "gate_up_proj" else (C, I)
+        for e in range(E):
+            for j, part in enumerate(parts):
+                key = f"{prefix}.{e}.{part}.weight"
+                if key in entries:
+                    raise CheckpointError(f"{printable(entry.file)}: {printable(key)} is stored both on its own and inside {name}")
+                rows = (e, slice(j * I, (j + 1) * I)) if kind == "gate_up_proj" else (e,)
+                entries[key] = TensorEntry(entry.file, entry.name, entry.dtype, part_shape, entry.shard, rows)
+    return entries
+
+
+def _check_expert_count(entries: dict[str, TensorEntry], config: Qwen3Config) -> None:
+    """A checkpoint with more or fewer experts than config.json says, named as such."""
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}.mlp.experts."
+        stored = {name[len(prefix) :].split(".")[0] for name in entries if name.startswith(prefix)}
+        expected = config.num_experts if config.is_moe_layer(i) else 0
+        if stored and len(stored) != expected:
+            file = next(entries[name].file for name in entries if name.startswith(prefix))
+            raise CheckpointError(
+                f"{printable(file)}: layer {i} has {len(stored)} experts but config.json implies {expected} "
+                "(num_experts, decoder_sparse_step, mlp_only_layers); the config and the weights are from "
+                "different models"
             )
 
 
@@ -251,7 +308,10 @@ def _check_matches_model(entries: dict[str, TensorEntry], model: Qwen3, config: 
 
 def load_tensor(entry: TensorEntry, device, dtype) -> torch.Tensor:
     """One tensor as a view of its mapped shard, then moved/cast (a no-op on CPU in the stored dtype)."""
-    return entry.shard.get_tensor(entry.name).to(device=device, dtype=dtype)
+    tensor = entry.shard.get_tensor(entry.name)
+    if entry.rows is not None:
+        tensor = tensor[entry.rows]  # a contiguous run of the stored bytes: still a view
+    return tensor.to(device=device, dtype=dtype)
 
 
 def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
@@ -264,8 +324,9 @@ def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
             raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
     config = Qwen3Config.from_json(folder / "config.json")
-    entries = read_checkpoint_index(folder)
+    entries = split_fused_experts(read_checkpoint_index(folder), config)
     check_config_matches_tensors(config, entries, folder)
+    _check_expert_count(entries, config)
     with torch.device("meta"):
         model = Qwen3(config)
     _check_matches_model(entries, model, config)
