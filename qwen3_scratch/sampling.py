@@ -40,7 +40,7 @@ NON_FINITE = -2
 
 def _check(ok: bool, label: str, rule: str, value) -> None:
     if not ok:
-        raise GenerationError(f"{label} must be {rule}, got {value!r}")
+        raise GenerationError(f"{label} must be {rule}, got {printable(repr(value), limit=80)}")
 
 
 def _is_int(value) -> bool:

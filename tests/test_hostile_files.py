@@ -88,7 +88,7 @@ CASES = [
     ("deep-generation-config", lambda f: (f / "generation_config.json").write_text(DEEP), "generation_config.json"),
     ("deep-tokenizer", lambda f: (f / "tokenizer.json").write_text('{"model":' + DEEP + "}"), "tokenizer.json"),
     # a directory where a file belongs
-    ("dir-config", lambda f: replace_with_directory(f / "config.json"), "config.json"),
+    ("dir-config", lambda f: replace_with_directory(f / "config.json"), "config.json is a folder, not a file"),
     ("dir-index", lambda f: replace_with_directory(f / INDEX), f"{INDEX} is a directory"),
     ("dir-shard", lambda f: replace_with_directory(first_shard(f)), "is a directory, not a weight file"),
     ("dir-tokenizer", lambda f: replace_with_directory(f / "tokenizer.json"), "tokenizer.json is a directory"),
