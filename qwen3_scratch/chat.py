@@ -17,7 +17,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from .errors import ConfigError, Qwen3Error
+from .errors import ConfigError, Qwen3Error, printable
 
 # Older names for an assistant message's reasoning. transformers copies whichever is set to
 # `reasoning_content` (what Qwen3's template reads) and to `thinking` (what gpt-oss's reads).
@@ -63,6 +63,13 @@ def render_chat_template(
         )
     except jinja2.TemplateError as error:
         raise ConfigError(_one_line_error(error, template_source)) from error
+    except Qwen3Error:
+        raise
+    except (ArithmeticError, RecursionError, TypeError, ValueError, LookupError, AttributeError, MemoryError) as error:
+        # The template is downloaded code: 1/0, a macro calling itself or a filter fed the wrong type
+        # are its bugs, not ours, and are reported like its syntax errors.
+        where = f"{template_source}: {type(error).__name__}: {printable(' '.join(str(error).split()))}"
+        raise ConfigError(f"{where}; fix the template or the messages passed to it") from error
 
 
 def _normalise_messages(messages: list[dict]) -> list[dict]:
@@ -85,20 +92,38 @@ def _normalise_messages(messages: list[dict]) -> list[dict]:
 
 def _one_line_error(error: jinja2.TemplateError, source: str) -> str:
     where = f" (line {error.lineno})" if getattr(error, "lineno", None) else ""
-    message = " ".join(str(error.message or error).split())
+    message = printable(" ".join(str(error.message or error).split()))
     return f"{source}{where}: {type(error).__name__}: {message}; fix the template or the messages passed to it"
 
 
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     """Compile once per template text: a chat loop renders the same template every turn."""
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    environment = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
     )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     return environment.from_string(template)
+
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, plus a bound on `*` and `**`, which it lets through unchecked:
+    `{{ "a" * 10**10 }}` in a downloaded template would otherwise try to allocate 10 GB."""
+
+    intercepted_binops = frozenset({"*", "**"})
+    MAX_ITEMS = 10**7
+
+    def call_binop(self, context, operator, left, right):
+        sizes = [len(x) for x in (left, right) if isinstance(x, (str, list, tuple))]
+        counts = [x for x in (left, right) if isinstance(x, int)]
+        too_big = (operator == "*" and sizes and counts and sizes[0] * max(counts) > self.MAX_ITEMS) or (
+            operator == "**" and isinstance(right, int) and isinstance(left, int) and abs(right) > 64 and abs(left) > 1
+        )
+        if too_big:
+            raise jinja2.sandbox.SecurityError(f"the result of {operator} is too large for a prompt")
+        return super().call_binop(context, operator, left, right)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from . import __version__
-from .errors import InputError, Qwen3Error
+from .errors import InputError, Qwen3Error, printable
 from .inputs import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MODEL,
@@ -158,7 +158,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
     try:
         body(parser.parse_args(argv))
     except Qwen3Error as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {printable(e, limit=2000)}", file=sys.stderr)  # one line, however it was built
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)

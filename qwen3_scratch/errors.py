@@ -28,3 +28,17 @@ class GenerationError(Qwen3Error):
 
 class InputError(Qwen3Error):
     """A prompt that cannot be used: unreadable, not UTF-8, or larger than the documented limits."""
+
+
+def printable(text, limit: int = 200) -> str:
+    """`text` made safe to print inside a one-line message: control characters escaped, length bounded.
+
+    Names and values in messages often come from downloaded files (a shard name in the index, a tensor
+    name, a template); an ANSI escape or a newline there must reach the terminal as text, not act.
+    """
+    text = str(text)
+    if len(text) > limit:
+        text = text[:limit] + f"...(+{len(text) - limit} chars)"
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

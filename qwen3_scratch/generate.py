@@ -166,6 +166,7 @@ def generate_tokens(
     device = model.lm_head.weight.device
     batch = PaddedBatch.left_pad(prompts, pad_id, device)
     n_new = plan_new_tokens(batch.ids.shape[1], max_new_tokens, model.config.max_position_embeddings)
+    model.reserve_positions(batch.ids.shape[1] + n_new)  # RoPE tables for every position, before any compiled step
     loop = CachedLoop(model, batch, n_new, compile) if use_cache else RecomputeLoop(model, batch)
     eos = torch.tensor(list(eos_ids), device=device, dtype=torch.long)
     finished = torch.zeros(batch.ids.shape[0], dtype=torch.bool, device=device)

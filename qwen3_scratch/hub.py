@@ -89,6 +89,8 @@ def verify_checkpoint(folder, *, hint: str = REPAIR_HINT) -> Path:
     whether the bytes are the Hub's is the download's. `hint` ends each error message with what to do.
     """
     folder = Path(folder)
+    if (folder / "config.json").is_dir():
+        raise CheckpointError(f"{folder / 'config.json'} is a folder, not a file; {hint}")
     if not (folder / "config.json").is_file():
         if not (folder / RECORD).is_file():  # not a download of ours: most likely the wrong folder
             raise CheckpointError(_not_a_checkpoint(folder))

@@ -16,7 +16,11 @@ from torch import nn
 from .config import Qwen3Config
 from .kv_cache import KVCache, attention_mask
 from .moe import SparseMoeBlock
-from .rope import apply_rope, rope_tables
+from .rope import apply_rope, rope_tables, table_length
+
+# Positions the RoPE tables cover at load; they grow on demand (reserve_positions), never to a size
+# config.json alone decides (max_position_embeddings of 10^8 would be 12.8 GB of tables).
+INITIAL_ROPE_POSITIONS = 4096
 
 
 class RMSNorm(nn.Module):
@@ -122,14 +126,26 @@ class Qwen3(nn.Module):
         if config.tie_word_embeddings:
             # One matrix both maps ids to vectors and scores vectors against every id.
             self.lm_head.weight = self.model.embed_tokens.weight
-        # cos/sin for every position, computed once; not saved with the weights.
+        # cos/sin for the positions generations have needed so far; not saved with the weights.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
-    def build_rope_tables(self, device=None, dtype=None):
+    def build_rope_tables(self, device=None, dtype=None, length: int | None = None):
         """Fill the cos/sin tables (fp32 maths, then cast to the activation dtype, as transformers does)."""
         dtype = dtype or self.model.embed_tokens.weight.dtype
-        self.rope_cos, self.rope_sin = rope_tables(self.config, device, dtype)
+        length = length or min(INITIAL_ROPE_POSITIONS, self.config.max_position_embeddings)
+        self.rope_cos, self.rope_sin = rope_tables(self.config, device, dtype, length)
+
+    def reserve_positions(self, n: int) -> None:
+        """Make the RoPE tables cover positions 0..n-1, rebuilding them longer if needed.
+
+        Call it before a generation (prompt + max_new_tokens) rather than inside the decode step: a
+        compiled or CUDA-graph step must find its tables already there, at a fixed address.
+        """
+        if n > self.rope_cos.shape[0]:
+            weight = self.model.embed_tokens.weight
+            self.build_rope_tables(weight.device, self.rope_cos.dtype if self.rope_cos.numel() else None,
+                                   table_length(n, self.config))  # fmt: skip
 
     @torch.no_grad()
     def forward(
@@ -150,7 +166,11 @@ class Qwen3(nn.Module):
         """
         B, T = input_ids.shape
         if position_ids is None:
+            self.reserve_positions(T)
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        elif position_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Free on the host; on a GPU it would sync every step, so the generation loop reserves first.
+            self.reserve_positions(int(position_ids.max()) + 1)
         if cache is not None:
             if cache_slots is None:
                 cache_slots = position_ids[0]

@@ -103,7 +103,8 @@ def pick_dtype(dtype: str, device: str) -> str:
 class Pipeline:
     def __init__(self, model, tokenizer: Tokenizer, checkpoint: Path):
         self.model, self.tokenizer, self.checkpoint = model, tokenizer, Path(checkpoint)
-        self.generation_config = load_generation_config(self.checkpoint)
+        tokenizer.check_fits_model(model.config.vocab_size, self.checkpoint)
+        self.generation_config = load_generation_config(self.checkpoint, model.config.vocab_size)
         self.last_stats: GenerationStats | None = None
         self.last_stop_reason: str | None = None
 

@@ -59,20 +59,31 @@ def _yarn(inv_freq, pos_freqs, dim, base, scaling) -> tuple[torch.Tensor, float]
     return inv_freq, float(attention_scaling)
 
 
-def rope_tables(config: Qwen3Config, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (P, D) for every position up to max_position_embeddings, computed once.
+def rope_tables(
+    config: Qwen3Config, device=None, dtype=torch.float32, length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (P, D) for positions 0..P-1, P = `length` (default max_position_embeddings).
 
     The maths is fp32 (as transformers does it), then cast to the activation dtype. Both halves of
     the last dim share their angles (split-half), so only (P, D/2) is computed and then duplicated.
+    Row p depends only on p, so a table built short and rebuilt longer holds the same values in its
+    first rows as one built long at once.
     """
     inv_freq, attention_scaling = inverse_frequencies(config)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+    length = config.max_position_embeddings if length is None else length
+    positions = torch.arange(length, dtype=torch.float32, device=device)
     angles = positions[:, None] * inv_freq.to(device)[None, :]  # (P, D/2)
     tables = []
     for f in (torch.cos, torch.sin):
         half = (f(angles) * attention_scaling).to(dtype)  # (P, D/2)
         tables.append(torch.cat([half, half], dim=-1))  # (P, D)
     return tables[0], tables[1]
+
+
+def table_length(needed: int, config: Qwen3Config) -> int:
+    """How many positions to build when `needed` are asked for: the next power of two (so a growing
+    context rebuilds the table only log-many times), within the configured context when that suffices."""
+    return max(needed, min(1 << max(needed - 1, 0).bit_length(), config.max_position_embeddings))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

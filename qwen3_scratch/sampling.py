@@ -14,7 +14,6 @@ top-k 20, top-p 0.95); command-line flags override them one by one.
 Shapes: B batch rows, V vocab.
 """
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import GenerationError
+from .errors import GenerationError, printable
+from .files import read_json
 
 # float32 softmax + cumsum puts each cumulative probability a few ulps (~1e-7) off its exact value,
 # so a set whose true mass is exactly p can come out as p - 1ulp and drag in one more token.
@@ -40,7 +40,7 @@ NON_FINITE = -2
 
 def _check(ok: bool, label: str, rule: str, value) -> None:
     if not ok:
-        raise GenerationError(f"{label} must be {rule}, got {value!r}")
+        raise GenerationError(f"{label} must be {rule}, got {printable(repr(value), limit=80)}")
 
 
 def _is_int(value) -> bool:
@@ -175,34 +175,26 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.where(finite, (probs / noise).argmax(dim=-1), NON_FINITE)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GenerationError(f"{path}: not valid JSON ({e}); fix or delete the file") from e
-    if not isinstance(raw, dict):
-        raise GenerationError(f"{path}: expected a JSON object, got {type(raw).__name__}; fix or delete the file")
-    return raw
-
-
 def _read_eos(value, path: Path) -> list[int]:
     ids = [value] if _is_int(value) else value
     if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
-        raise GenerationError(f"{path}: eos_token_id must be an integer or a list of integers, got {value!r}")
+        raise GenerationError(f"{path}: eos_token_id must be an integer or a list of integers, "
+                              f"got {printable(repr(value), 80)}")  # fmt: skip
     return ids
 
 
-def load_generation_config(checkpoint_dir) -> dict:
+def load_generation_config(checkpoint_dir, vocab_size: int | None = None) -> dict:
     """The checkpoint's generation defaults from generation_config.json; {} when there is none.
 
     Returns only the keys the file sets (null counts as unset), checked and normalised:
-    temperature, top_k, top_p, min_p, do_sample (bool), eos_token_id (always list[int]),
-    max_new_tokens, max_length.
+    temperature, top_k, top_p, min_p, do_sample (bool), eos_token_id (always list[int], each id
+    within vocab_size when given), max_new_tokens, max_length.
     """
     path = Path(checkpoint_dir) / "generation_config.json"
-    if not path.is_file():
+    if not path.exists():
         return {}
-    raw = {key: value for key, value in _read_json(path).items() if value is not None}
+    raw = {key: value for key, value in read_json(path, GenerationError, "fix or delete the file").items()
+           if value is not None}  # fmt: skip
     checks = {"temperature": check_temperature, "top_k": check_top_k, "top_p": check_top_p, "min_p": check_min_p}
     defaults: dict = {}
     for key, check in checks.items():
@@ -218,6 +210,10 @@ def load_generation_config(checkpoint_dir) -> dict:
         defaults["do_sample"] = raw["do_sample"]
     if "eos_token_id" in raw:
         defaults["eos_token_id"] = _read_eos(raw["eos_token_id"], path)
+        outside = [i for i in defaults["eos_token_id"] if vocab_size is not None and not 0 <= i < vocab_size]
+        if outside:  # such an id can never be sampled, so generation would never stop on it
+            raise GenerationError(f"{path}: eos_token_id {outside[0]} is outside the vocabulary "
+                                  f"[0, {vocab_size}) of config.json; fix or delete the file")  # fmt: skip
     return defaults
 
 

@@ -6,7 +6,6 @@ which tokens are end-of-sequence and padding (`tokenizer_config.json`), the chat
 (`tokenizer_config.json`, or `chat_template.jinja` in newer checkpoints), and streaming decode.
 """
 
-import json
 import re
 import secrets
 from pathlib import Path
@@ -14,7 +13,8 @@ from pathlib import Path
 import tokenizers
 
 from .chat import render_chat_template
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, printable
+from .files import read_json, read_text
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -46,14 +46,15 @@ class Tokenizer:
         """Load `tokenizer.json`, `tokenizer_config.json` and the chat template from a checkpoint folder."""
         folder = Path(path)
         backend = _load_backend(folder / TOKENIZER_FILE)
-        config = _read_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).is_file() else {}
+        config = read_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
+        _check_config_types(config, folder / CONFIG_FILE)
         _check_added_tokens(backend, config, folder / CONFIG_FILE)
         # transformers lets a separate chat_template.jinja win over the config's copy; so do we.
-        if (folder / TEMPLATE_FILE).is_file():
-            template = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
-            return cls(backend, config, template, str(folder / TEMPLATE_FILE))
+        if (folder / TEMPLATE_FILE).exists():
+            template = read_text(folder / TEMPLATE_FILE)
+            return cls(backend, config, template, printable(folder / TEMPLATE_FILE))
         template = _default_template(config.get("chat_template"))
-        return cls(backend, config, template, f"{folder / CONFIG_FILE} (chat_template)")
+        return cls(backend, config, template, f"{printable(folder / CONFIG_FILE)} (chat_template)")
 
     def encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Control tokens written in the text (e.g. <|im_start|>) become their ids,
@@ -101,6 +102,26 @@ class Tokenizer:
         The model's embedding usually has more rows (Qwen3: 151669 tokens, 151936 rows).
         """
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def check_fits_model(self, vocab_size: int, folder) -> None:
+        """Refuse a tokenizer that can produce ids the model has no embedding row for.
+
+        Such an id would fail at prefill (an IndexError on a CPU, a device-side assert on a GPU), and
+        an EOS token that is not in the vocabulary would never stop a generation.
+        """
+        folder = Path(folder)
+        largest = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        if largest >= vocab_size:
+            raise CheckpointError(
+                f"{printable(folder / TOKENIZER_FILE)} has token ids up to {largest}, but "
+                f"{printable(folder / 'config.json')} says vocab_size={vocab_size}; the tokenizer and the "
+                "weights are from different checkpoints"
+            )
+        for name in ("eos_token", "pad_token"):
+            token = getattr(self, name)
+            if token is not None and self.token_to_id(token) is None:
+                raise CheckpointError(f"{printable(folder / CONFIG_FILE)}: {name} {printable(repr(token), 80)} is "
+                                      f"not a token of {TOKENIZER_FILE}; the two files are from different checkpoints")  # fmt: skip
 
     @property
     def chat_template(self) -> str | None:
@@ -250,21 +271,44 @@ class StreamingDetokenizer:
 
 
 def _load_backend(path: Path) -> tokenizers.Tokenizer:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not found; a checkpoint folder needs its {TOKENIZER_FILE} "
+    if not path.exists():
+        raise CheckpointError(f"{printable(path)}: not found; a checkpoint folder needs its {TOKENIZER_FILE} "
                               "(download the full repo, not only the weights)")
+    read_text(path)  # a directory, an oversized file or bytes that are not UTF-8 get our own one-line error
     try:
         return tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # the Rust parser raises a bare Exception
-        reason = " ".join(str(error).split())
-        raise CheckpointError(f"{path}: cannot be read as a tokenizer ({reason}); download it again") from error
+        reason = printable(" ".join(str(error).split()))
+        raise CheckpointError(f"{printable(path)}: cannot be read as a tokenizer ({reason}); download it again") from error
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error}); download it again") from error
+# tokenizer_config.json fields we read, and what each may hold. A token is its text, or a
+# serialized AddedToken {"content": text, ...}; a template is text, or a list of named templates.
+_TOKEN_FIELDS = ("eos_token", "pad_token", "bos_token", "unk_token")
+
+
+def _check_config_types(config: dict, path: Path) -> None:
+    """Every field we read from tokenizer_config.json has the type we read it as."""
+
+    def refuse(field: str, expected: str):
+        raise CheckpointError(f"{printable(path)}: {field} must be {expected}, got "
+                              f"{printable(repr(config[field]), 80)}; download it again or fix the file")  # fmt: skip
+
+    for field in _TOKEN_FIELDS:
+        if field in config and config[field] is not None and not isinstance(_token_text(config[field]), str):
+            refuse(field, 'a token (text, or {"content": text})')
+    added = config.get("added_tokens_decoder", {})
+    if not isinstance(added, dict) or not all(
+        key.isascii() and key.isdigit() and len(key) < 10 and isinstance(_token_text(token), str) for key, token in added.items()
+    ):
+        refuse("added_tokens_decoder", 'a mapping of token ids to tokens ({"151645": {"content": ...}})')
+    template = config.get("chat_template")
+    named = isinstance(template, list) and all(
+        isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str)
+        for entry in template
+    )
+    if template is not None and not isinstance(template, str) and not named:
+        refuse("chat_template", 'text, or a list of {"name": ..., "template": ...}')
 
 
 def _check_added_tokens(backend: tokenizers.Tokenizer, config: dict, path: Path) -> None:
@@ -277,8 +321,8 @@ def _check_added_tokens(backend: tokenizers.Tokenizer, config: dict, path: Path)
         content = _token_text(token)
         actual = backend.token_to_id(content)
         if actual != int(id_text):
-            raise CheckpointError(f"{path}: added token {content!r} has id {id_text} but {TOKENIZER_FILE} "
-                                  f"gives {actual}; the two files are from different checkpoints")
+            raise CheckpointError(f"{printable(path)}: added token {printable(repr(content), 80)} has id {id_text} "
+                                  f"but {TOKENIZER_FILE} gives {actual}; the two files are from different checkpoints")
 
 
 def _token_text(token) -> str | None:

@@ -104,3 +104,76 @@ def test_missing_or_broken_config_json_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json.*not valid JSON"):
         Qwen3Config.from_json(tmp_path)
+
+
+# ---- config.json is untrusted: every field's type and range --------------------------------
+
+from dataclasses import fields  # noqa: E402
+
+from qwen3_scratch.config import CONFIG_RULES, SPECIAL_FIELDS, YARN_RULES, RopeScaling  # noqa: E402
+
+YARN_1M = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}
+# Qwen3-235B-A22B's sizes (as a dense config: we check only the shared fields) with a 1M-token YaRN context.
+LARGEST = {**HUB_0_6B, "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+           "num_key_value_heads": 4, "intermediate_size": 12288, "max_position_embeddings": 1048576,
+           "rope_scaling": YARN_1M}  # fmt: skip
+
+BAD_VALUES = [
+    ("hidden_size", "64"), ("hidden_size", 64.0), ("hidden_size", True), ("hidden_size", -64), ("hidden_size", 0),
+    ("hidden_size", 2**40), ("vocab_size", 10**9), ("vocab_size", [1]), ("intermediate_size", -1),
+    ("num_hidden_layers", 10**7), ("num_hidden_layers", 0), ("num_hidden_layers", "28"),
+    ("num_attention_heads", 0), ("num_attention_heads", 10**6), ("num_key_value_heads", 0), ("num_key_value_heads", -8),
+    ("head_dim", 0), ("head_dim", 1), ("head_dim", 2**20), ("head_dim", 127.5),
+    ("max_position_embeddings", 10**8), ("max_position_embeddings", 0), ("max_position_embeddings", "40960"),
+    ("rope_theta", 0), ("rope_theta", -1e6), ("rope_theta", 1), ("rope_theta", float("nan")), ("rope_theta", float("inf")),
+    ("rope_theta", "1e6"), ("rms_norm_eps", -1e-6), ("rms_norm_eps", 0), ("rms_norm_eps", float("nan")), ("rms_norm_eps", 2),
+    ("tie_word_embeddings", "false"), ("tie_word_embeddings", 1), ("attention_bias", "no"),
+    ("eos_token_id", 151936), ("eos_token_id", -1), ("eos_token_id", "151645"), ("eos_token_id", 1.5),
+    ("eos_token_id", [151645, 10**9]), ("eos_token_id", {"a": 1}), ("bos_token_id", 10**9), ("bos_token_id", True),
+    ("torch_dtype", ["bfloat16"]), ("torch_dtype", "int4"),
+    ("rope_scaling", {**YARN_1M, "factor": 0.5}), ("rope_scaling", {**YARN_1M, "factor": "4"}),
+    ("rope_scaling", {**YARN_1M, "factor": float("inf")}), ("rope_scaling", {**YARN_1M, "factor": 10**6}),
+    ("rope_scaling", {**YARN_1M, "original_max_position_embeddings": 0}),
+    ("rope_scaling", {**YARN_1M, "original_max_position_embeddings": 32768.5}),
+    ("rope_scaling", {**YARN_1M, "beta_fast": -32}), ("rope_scaling", {**YARN_1M, "beta_slow": 0}),
+    ("rope_scaling", {**YARN_1M, "attention_factor": -1}), ("rope_scaling", {**YARN_1M, "truncate": "yes"}),
+    ("rope_scaling", [1, 2]), ("rope_scaling", "yarn"), ("rope_scaling", {"rope_type": ["yarn"]}),
+]
+
+
+@pytest.mark.parametrize("key, value", BAD_VALUES, ids=[f"{k}={v!r}"[:40] for k, v in BAD_VALUES])
+def test_field_of_wrong_type_or_range_is_refused_naming_the_field(key, value):
+    field = {"torch_dtype": "dtype", "rope_scaling": ""}.get(key, key)
+    with pytest.raises(ConfigError, match=f"^config.json: .*{field}") as error:
+        Qwen3Config.from_dict({**HUB_0_6B, key: value})
+    assert "\n" not in str(error.value)
+
+
+def test_the_largest_qwen3_and_a_1m_token_yarn_context_are_accepted():
+    config = Qwen3Config.from_dict(LARGEST)
+    assert config.max_position_embeddings == 2**20 and config.rope_scaling.factor == 4.0
+    assert isinstance(config.rope_theta, float) and config.rope_theta == 1e6
+
+
+def test_every_config_field_has_a_rule():
+    """A new field (the MoE ones, say) must get a line in CONFIG_RULES, or be checked by hand."""
+    names = {f.name for f in fields(Qwen3Config)}
+    assert names == set(CONFIG_RULES) | SPECIAL_FIELDS, f"fields without a rule: {names - set(CONFIG_RULES) - SPECIAL_FIELDS}"
+    assert {f.name for f in fields(RopeScaling)} == set(YARN_RULES) | {"attention_factor"}
+
+
+def test_hostile_config_json_files_are_refused_naming_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    for text, needle in [
+        ("[" * 100_000, "nested too deeply"),
+        ('{"vocab_size": 1' + "0" * 5000 + "}", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        (json.dumps({"model_type": "qwen3\x1b[31m"}), "qwen3\\\\x1b\\[31m"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=needle) as error:
+            Qwen3Config.from_json(path)
+        assert "config.json" in str(error.value) and "\x1b" not in str(error.value)
+    path.write_bytes(b'{"model_type": "\xff"}')
+    with pytest.raises(ConfigError, match="config.json is not UTF-8"):
+        Qwen3Config.from_json(path)

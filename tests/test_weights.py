@@ -1,10 +1,13 @@
 """The loader: strict, one error type, messages that name the file and tensor, never half-loaded."""
 
 import json
+import re
+import struct
 import shutil
 
 import pytest
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from checkpoints import build_checkpoint
@@ -194,3 +197,111 @@ def test_untied_checkpoint_without_lm_head_fails(tmp_path):
 def test_unknown_dtype_string():
     with pytest.raises(CheckpointError, match="dtype 'int4'"):
         load_model(".", dtype="int4")
+
+
+# ---- hostile shard headers: the safetensors library's verdict is ours --------------------------
+
+
+def _header_and_data(shard):
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def _write(shard, header=None, data=b"", raw_header=None, length=None):
+    raw = raw_header if raw_header is not None else json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+
+
+def _two_tensors(header):
+    """The names of two tensors of this shard, in the order their bytes are stored."""
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    return names[0], names[1]
+
+
+def _offsets(change):
+    """A damage that rewrites the data_offsets of the first two tensors with change(first, second)."""
+
+    def damage(shard):
+        header, data = _header_and_data(shard)
+        a, b = _two_tensors(header)
+        change(header[a], header[b])
+        _write(shard, header, data)
+
+    return damage
+
+
+def _raw_header(edit):
+    """A damage that edits the header's JSON text, keeping the data as it was."""
+
+    def damage(shard):
+        header, data = _header_and_data(shard)
+        _write(shard, raw_header=edit(json.dumps(header)).encode("utf-8", "surrogateescape"), data=data)
+
+    return damage
+
+
+def _duplicate_first_key(text):
+    header = json.loads(text)
+    a, b = _two_tensors(header)
+    return text.replace(f'"{b}":', f'"{a}":', 1)  # two entries named a: one with a's offsets, one with b's
+
+
+def _set(field, value, which=0):
+    def change(first, second):
+        (first, second)[which][field] = value
+
+    return change
+
+
+HOSTILE_HEADERS = {
+    "overlapping-offsets": _offsets(lambda a, b: b.update(data_offsets=[a["data_offsets"][0], b["data_offsets"][1] - (b["data_offsets"][0] - a["data_offsets"][0])])),
+    "same-offsets-twice": _offsets(lambda a, b: b.update(data_offsets=a["data_offsets"], shape=a["shape"], dtype=a["dtype"])),
+    "negative-offset": _offsets(lambda a, b: a.update(data_offsets=[-4, a["data_offsets"][1]])),
+    "gap-between-tensors": _offsets(lambda a, b: b.update(data_offsets=[b["data_offsets"][0] + 4, b["data_offsets"][1] + 4])),
+    "end-before-begin": _offsets(lambda a, b: a.update(data_offsets=[a["data_offsets"][1], a["data_offsets"][0]])),
+    "float-offsets": _offsets(lambda a, b: a.update(data_offsets=[float(x) for x in a["data_offsets"]])),
+    "string-offsets": _offsets(lambda a, b: a.update(data_offsets=[str(x) for x in a["data_offsets"]])),
+    "three-offsets": _offsets(lambda a, b: a.update(data_offsets=a["data_offsets"] + [0])),
+    "offset-past-end": _offsets(lambda a, b: b.update(data_offsets=[b["data_offsets"][0], 10**12])),
+    "float-shape": _offsets(_set("shape", [1.5])),
+    "string-shape": _offsets(lambda a, b: a.update(shape=[str(x) for x in a["shape"]])),
+    "negative-shape": _offsets(lambda a, b: a.update(shape=[-x for x in a["shape"]])),
+    "shape-size-mismatch": _offsets(lambda a, b: a.update(shape=[*a["shape"], 2])),
+    "shape-overflow": _offsets(_set("shape", [2**62, 2**62])),
+    "bad-dtype": _offsets(_set("dtype", "Q4_K")),
+    "no-dtype": _offsets(lambda a, b: a.pop("dtype")),
+    "entry-not-a-dict": _offsets(lambda a, b: (a.clear(), a.update(x=1))),
+    "duplicate-key": _raw_header(_duplicate_first_key),
+    "header-a-list": _raw_header(lambda text: "[" + text + "]"),
+    "header-a-string": _raw_header(lambda text: json.dumps(text)),
+    "header-not-utf8": _raw_header(lambda text: text.replace("model", "m\udcffdel", 1)),
+    "header-nested-deeply": _raw_header(lambda text: text[:-1] + ', "x": ' + "[" * 10_000 + "]" * 10_000 + "}"),
+    "metadata-not-strings": _raw_header(lambda text: text.replace('"__metadata__": {"format": "pt"}', '"__metadata__": {"format": 1}')),
+    "header-length-huge": lambda shard: shard.write_bytes(struct.pack("<Q", 2**63) + shard.read_bytes()[8:]),
+    "header-length-past-the-file": lambda shard: shard.write_bytes(struct.pack("<Q", shard.stat().st_size) + shard.read_bytes()[8:]),
+    "trailing-bytes": lambda shard: shard.write_bytes(shard.read_bytes() + b"\0" * 64),
+    "truncated-data": lambda shard: shard.write_bytes(shard.read_bytes()[:-4]),
+}
+
+
+@pytest.mark.parametrize("damage", HOSTILE_HEADERS.values(), ids=HOSTILE_HEADERS.keys())
+def test_hostile_shard_header_is_refused_as_the_safetensors_library_refuses_it(sharded, damage):
+    shards = sorted(set(index_of(sharded)["weight_map"].values()))
+    shard = next(sharded / s for s in shards if len(_header_and_data(sharded / s)[0]) > 2)  # >= 2 tensors
+    damage(shard)
+    with pytest.raises(SafetensorError):  # the reference reader's verdict...
+        with safe_open(shard, framework="pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+    with pytest.raises(CheckpointError, match=re.escape(shard.name)) as error:  # ...is ours, naming the file
+        load_model(sharded)
+    assert "\n" not in str(error.value)
+
+
+def test_weights_are_views_of_the_mapped_file_not_copies(sharded):
+    """On CPU in the stored dtype a parameter is the file's bytes, mapped: no second copy in RAM."""
+    model = load_model(sharded, dtype="float32")
+    for name, param in model.named_parameters():
+        storage = param.untyped_storage()
+        assert storage.nbytes() <= param.numel() * param.element_size() + 64, f"{name} holds more than its bytes"
+        assert not storage.resizable(), f"{name} is an ordinary allocation, not a view of the mapped shard"
