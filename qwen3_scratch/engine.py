@@ -115,6 +115,8 @@ class LLMEngine:
         if request_id in self.sequences:
             raise GenerationError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_prompt(prompt_ids, params)
+        # RoPE tables for every position this request can reach, built here, between steps, never inside one
+        self.model.reserve_positions(len(prompt_ids) + max_tokens)
         generator = torch.Generator(self.runner.device)
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
         eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
