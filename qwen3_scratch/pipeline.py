@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .chat_parser import Delta
+from .conversation import Conversation
 from .errors import GenerationError
 from .generate import generate_tokens
 from .hub import resolve_checkpoint
@@ -75,6 +77,7 @@ class Pipeline:
         self.generation_config = load_generation_config(self.checkpoint)
         self.last_stats: GenerationStats | None = None
         self.last_stop_reason: str | None = None
+        self._conversation: Conversation | None = None
 
     @classmethod
     def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto"):
@@ -170,3 +173,25 @@ class Pipeline:
                 if token >= 0:
                     outputs[row].append(token)
         return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+
+    @property
+    def conversation(self) -> Conversation:
+        """The chat state: one KV cache kept across chat turns (conversation.py)."""
+        if self._conversation is None:
+            self._conversation = Conversation(self.model, self.tokenizer, self.eos_ids, self.generation_config)
+        return self._conversation
+
+    def chat_stream(self, messages: list[dict], request: GenerationRequest | None = None, tools=None,
+                    thinking: bool = True) -> Iterator[Delta]:  # fmt: skip
+        """Yield the assistant's reply to `messages` as typed pieces: reasoning text, answer text, finished
+        tool calls. The KV cache of the previous turn is reused as far as the two prompts agree;
+        `self.conversation.last_message` is the reply (also after the stream is closed early)."""
+        return self.conversation.stream(messages, request or GenerationRequest(), tools, thinking)
+
+    def chat(self, messages: list[dict], request: GenerationRequest | None = None, tools=None,
+             thinking: bool = True) -> dict:  # fmt: skip
+        """The assistant's reply to `messages`: {"role": "assistant", "content", "reasoning_content",
+        ["tool_calls"]}. Append it and the next user message to continue the conversation."""
+        for _ in self.chat_stream(messages, request, tools, thinking):
+            pass
+        return self.conversation.last_message
