@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU); the first step pays the compile time")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (benchmarks)")
     p.add_argument("--show-stats", action="store_true", help="print a key=value stats line to stderr")
+    p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning (chat mode, one prompt)")
+    p.add_argument("--tools", type=Path, help="a JSON list of tool schemas; tool calls print as JSON lines")
     return p
 
 
@@ -60,6 +62,7 @@ def read_prompts(args) -> list[str]:
 
 def run(args) -> None:
     prompts = read_prompts(args)
+    tools = check_reply_flags(args, prompts)
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype)
     request = GenerationRequest(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -67,7 +70,9 @@ def run(args) -> None:
         ignore_eos=args.ignore_eos, compile=args.compile, measure_bandwidth=args.show_stats,
     )  # fmt: skip
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking)
-    if len(prompts) == 1:
+    if args.hide_thinking or tools is not None:
+        print_reply(pipe, prompts[0], request, args, tools)
+    elif len(prompts) == 1:
         for piece in pipe.stream(prompts[0], request, **template):
             print(piece, end="", flush=True)
         print()
@@ -78,7 +83,39 @@ def run(args) -> None:
         print(f"[stopped: reached the model's context of {pipe.model.config.max_position_embeddings} tokens]",
               file=sys.stderr)  # fmt: skip
     if args.show_stats:
-        print(pipe.last_stats.line(), file=sys.stderr)
+        print(pipe.last_stats.line() + reasoning_stat(pipe, args, prompts), file=sys.stderr)
+
+
+def check_reply_flags(args, prompts) -> list[dict] | None:
+    """--hide-thinking and --tools need the parsed reply: one prompt, in chat mode. Returns the tools."""
+    from .chat_cli import read_tools
+
+    flag = "--tools" if args.tools is not None else "--hide-thinking" if args.hide_thinking else None
+    if flag and (not args.chat or len(prompts) > 1):
+        raise Qwen3Error(f"{flag} needs one prompt in chat mode (drop --no-chat, or pass a single --prompt)")
+    return read_tools(args.tools) if args.tools is not None else None
+
+
+def print_reply(pipe, prompt, request, args, tools) -> None:
+    """The reply as typed pieces: reasoning apart (or hidden), the answer, each tool call as a JSON line."""
+    from .chat_cli import ReplyPrinter
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+    printer = ReplyPrinter(sys.stdout, args.hide_thinking)
+    for delta in pipe.chat_stream(messages, request, tools, args.thinking):
+        printer.show(delta)
+    printer.end()
+
+
+def reasoning_stat(pipe, args, prompts) -> str:
+    """` reasoning_tokens=N` for one prompt: how many generated tokens went to thinking."""
+    from .conversation import count_reasoning_tokens
+
+    if args.hide_thinking or args.tools is not None:
+        return f" reasoning_tokens={pipe.conversation.last_stats.reasoning_tokens}"
+    if len(prompts) == 1:
+        return f" reasoning_tokens={count_reasoning_tokens(pipe.tokenizer, pipe.last_prompt_ids, pipe.last_ids)}"
+    return ""
 
 
 def main(argv=None) -> int:

@@ -99,6 +99,15 @@ class ConversationCache:
         self.cache = bigger
 
 
+def count_reasoning_tokens(tokenizer: Tokenizer, prompt_ids: list[int], ids: list[int]) -> int:
+    """How many of the generated `ids` are reasoning (the prompt may have opened <think> already)."""
+    parser = StreamParser(tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, tokenizer))
+    for token in ids:
+        parser.push(token)
+    parser.finish()
+    return parser.reasoning_tokens
+
+
 @dataclass
 class TurnStats:
     prompt_tokens: int
@@ -149,7 +158,7 @@ class Conversation:
         if not self.reuse:
             self.cache.reset()
         reused = min(common_prefix_length(self.cache.tokens, prompt), len(prompt) - 1)
-        self.last_prompt, self.last_ids, self.last_message = prompt, [], None
+        self.last_prompt, self.last_ids, self.last_message, self.last_stats = prompt, [], None, None
         start, ttft, finished = time.perf_counter(), None, False
         try:
             logits = self.cache.prefill(prompt, reserve=n_new)  # (1, V)

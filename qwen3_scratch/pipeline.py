@@ -157,7 +157,10 @@ class Pipeline:
         request = request or GenerationRequest()
         ids = self.prompt_ids(prompt, **template)
         detok = StreamingDetokenizer(self.tokenizer, skip_special_tokens=True)
+        self.last_prompt_ids, self.last_ids = ids, []  # for counting reasoning tokens afterwards
         for (token,) in self.stream_ids([ids], request):
+            if token >= 0:
+                self.last_ids.append(token)
             if token >= 0 and (piece := detok.push(token)):
                 yield piece
         if tail := detok.flush():
@@ -186,7 +189,13 @@ class Pipeline:
         """Yield the assistant's reply to `messages` as typed pieces: reasoning text, answer text, finished
         tool calls. The KV cache of the previous turn is reused as far as the two prompts agree;
         `self.conversation.last_message` is the reply (also after the stream is closed early)."""
-        return self.conversation.stream(messages, request or GenerationRequest(), tools, thinking)
+        request, conversation = request or GenerationRequest(), self.conversation
+        try:
+            yield from conversation.stream(messages, request, tools, thinking)
+        finally:
+            if (turn := conversation.last_stats) is not None:
+                steps = turn.generated_tokens
+                self._record([conversation.last_prompt], request, steps, steps, turn.elapsed_seconds, turn.ttft_seconds)
 
     def chat(self, messages: list[dict], request: GenerationRequest | None = None, tools=None,
              thinking: bool = True) -> dict:  # fmt: skip
