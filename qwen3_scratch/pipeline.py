@@ -98,12 +98,14 @@ class Pipeline:
         return list(ids)
 
     def prompt_ids(self, prompt: str, system: str | None = None, chat: bool = True, thinking: bool = True):
-        """Token ids for one prompt, wrapped in the checkpoint's chat template unless chat=False."""
+        """Token ids for one prompt, wrapped in the checkpoint's chat template unless chat=False.
+
+        In chat mode the prompt and system message are text, even where they spell a control token;
+        with chat=False the prompt is the whole raw prompt, control tokens included, written by hand."""
         if not chat:
             return self.tokenizer.encode(prompt)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.chat_ids(messages, add_generation_prompt=True, enable_thinking=thinking)
 
     def stream_ids(self, prompts: list[list[int]], request: GenerationRequest) -> Iterator[list[int]]:
         """Yield each step's new token per row (-1 for finished rows), timing the run into last_stats."""

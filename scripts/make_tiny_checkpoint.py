@@ -25,6 +25,8 @@ CHAT_TEMPLATE_FILE = HERE / "qwen3_chat_template.jinja"
 # `skip_special_tokens`); the think tags are plain added tokens, so decoding keeps them.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 THINK_TOKENS = ("<think>", "</think>")
+# Qwen3's tool-call markup: plain added tokens too, appended after the think tags so their ids stay put.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 # Qwen2/Qwen3's pre-tokenizer split: contractions, words with an optional leading symbol, single
 # digits, runs of punctuation, newlines, spaces. transformers' Qwen2Tokenizer rebuilds its backend
@@ -112,14 +114,14 @@ def train_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     )
     tokenizer.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS + TOOL_TOKENS])
     return tokenizer
 
 
 def tokenizer_config(tokenizer: Tokenizer, chat_template: str) -> dict:
     """The `tokenizer_config.json` of a Qwen3 repo, with this tokenizer's ids."""
     added = {}
-    for token in SPECIAL_TOKENS + THINK_TOKENS:
+    for token in SPECIAL_TOKENS + THINK_TOKENS + TOOL_TOKENS:
         added[str(tokenizer.token_to_id(token))] = {
             "content": token,
             "lstrip": False,
