@@ -90,9 +90,9 @@ def test_two_turns_no_think_reset_and_ctrl_d_in_a_terminal(tiny, pipe, tmp_path)
     assert json.loads(saved.read_text()) == messages
 
     turn(child, "/reset", "new conversation\n")
+    # a new conversation (the thinking switch is a setting, like the system message: it stays off)
     fresh = [{"role": "user", "content": "Hello there"}]
-    turn(child, "Hello there", rendered(pipe, fresh, SHORT))  # a new conversation: the first turn's answer again
-    assert fresh[-1] == messages[1]
+    turn(child, "Hello there", rendered(pipe, fresh, SHORT, thinking=False))
 
     child.sendeof()  # Ctrl-D at the prompt
     child.expect(pexpect.EOF)
