@@ -16,11 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import OneLineParser
-from .errors import Qwen3Error
-from .generate import plan_new_tokens
-from .pipeline import DEFAULT_MODEL, GenerationRequest, Pipeline
-from .sampling import resolve_sampling_params
+from .cli import OneLineParser, model_flags, request_from_args, run_cli, sampling_flags
+from .errors import InputError, Qwen3Error
+
+PROG = "qwen3-chat"
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 HELP = """\
@@ -35,25 +34,16 @@ HELP = """\
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="qwen3-chat", description="Chat with Qwen3 in the terminal (multi-turn, KV cache reused).")
-    # the model flags of qwen3-generate
-    p.add_argument("--model", default=DEFAULT_MODEL, help="a local checkpoint folder or a Hub id (default %(default)s)")
-    p.add_argument("--weights-dir", default="weights", help="where Hub models are downloaded (default %(default)s)")
-    p.add_argument("--local-files-only", action="store_true", help="never touch the network")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="per answer (default %(default)s)")
-    p.add_argument("--temperature", type=float, help="0 is greedy (default: generation_config.json)")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--seed", type=int)
+    p = OneLineParser(prog=PROG, description="Chat with Qwen3 in the terminal (multi-turn, KV cache reused).")
+    model_flags(p)  # the same model and sampling flags as qwen3-generate
+    sampling_flags(p)
+    p.set_defaults(max_new_tokens=1024)  # per answer: Qwen3 reasons at length before it answers
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (tests, benchmarks)")
-    # the conversation's own
-    p.add_argument("--system", help="the system message")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True, help="let Qwen3 think first")
-    p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning")
-    p.add_argument("--tools", type=Path, help="a JSON file with a list of tool schemas the model may call")
+    p.add_argument("--system", help="the system message (default: none)")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
+                   help="let Qwen3 think first; /think and /no_think switch it (default: on)")  # fmt: skip
+    p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning (default: off)")
+    p.add_argument("--tools", help="a JSON file with a list of tool schemas the model may call (default: none)")
     return p
 
 
@@ -61,7 +51,7 @@ def read_tools(path: Path) -> list[dict]:
     """--tools FILE: a JSON list of tool schemas ({"type": "function", "function": {...}} or the bare function)."""
     tools = _read_json(path, "--tools")
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise Qwen3Error(f"--tools {path}: expected a JSON list of tool schemas (objects)")
+        raise InputError(f"--tools {path}: expected a JSON list of tool schemas (objects)")
     return tools
 
 
@@ -70,7 +60,7 @@ def read_messages(path: Path) -> list[dict]:
     messages = _read_json(path, "/load")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                  for m in messages):  # fmt: skip
-        raise Qwen3Error(f"/load {path}: expected a JSON list of messages like {{\"role\": \"user\", \"content\": ...}}")
+        raise InputError(f"/load {path}: expected a JSON list of messages like {{\"role\": \"user\", \"content\": ...}}")
     return messages
 
 
@@ -78,9 +68,9 @@ def _read_json(path: Path, what: str):
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as error:
-        raise Qwen3Error(f"{what} {path}: {error.strerror}") from error
+        raise InputError(f"{what} {path}: {error.strerror}") from error
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise Qwen3Error(f"{what} {path}: not valid JSON ({error})") from error
+        raise InputError(f"{what} {path}: not valid JSON ({error})") from error
 
 
 class ReplyPrinter:
@@ -118,7 +108,7 @@ class ReplyPrinter:
 class ChatSession:
     """The conversation a terminal drives: the messages, the thinking switch, and the /commands."""
 
-    def __init__(self, pipe: Pipeline, request: GenerationRequest, system=None, thinking=True,
+    def __init__(self, pipe, request, system=None, thinking=True,
                  hide_thinking=False, tools=None, out=sys.stdout):  # fmt: skip
         self.pipe, self.request, self.out = pipe, request, out
         self.system, self.thinking, self.hide_thinking, self.tools = system, thinking, hide_thinking, tools
@@ -229,34 +219,21 @@ def read_lines(interactive: bool):
 
 def run(args) -> None:
     tools = read_tools(args.tools) if args.tools is not None else None
-    plan_new_tokens(1, args.max_new_tokens, 2)  # a bad --max-new-tokens fails now, not at the first turn
+    request = request_from_args(args)  # impossible flags fail here, before the model loads
+    from .pipeline import Pipeline  # torch: imported inside run_cli's Ctrl-C handling
+
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype)
-    request = GenerationRequest(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
-    )  # fmt: skip
-    # impossible sampling values fail now too, with the flag's name
-    resolve_sampling_params(pipe.generation_config, args.temperature, args.top_k, args.top_p, args.min_p)
     session = ChatSession(pipe, request, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"qwen3-chat: {pipe.checkpoint.name}. /help lists the commands; Ctrl-D quits.", flush=True)
+        print(f"{PROG}: {pipe.checkpoint.name}. /help lists the commands; Ctrl-D quits.", flush=True)
     for line in read_lines(interactive):
         if not session.handle(line):
             return
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except Qwen3Error as e:
-        print(f"qwen3-chat: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C while the model loads
-        print(file=sys.stderr)
-        return 130
-    return 0
+    return run_cli(PROG, build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from .chat_parser import Delta, StreamParser, prompt_opens_thinking
+from .errors import GenerationError
 from .generate import CACHE_BLOCK, plan_new_tokens
 from .kv_cache import KVCache, attention_mask
 from .model import Qwen3
-from .sampling import resolve_sampling_params, sample
+from .sampling import NON_FINITE, resolve_sampling_params, sample
 from .tokenizer import Tokenizer
 
 
@@ -164,6 +165,9 @@ class Conversation:
             logits = self.cache.prefill(prompt, reserve=n_new)  # (1, V)
             for i in range(n_new):
                 token = int(sample(logits, params, generator))  # the host sync streaming needs anyway
+                if token == NON_FINITE:
+                    raise GenerationError(f"stopped at generated token {i + 1}: the model's logits are NaN or inf; "
+                                          "try --dtype float32, or download the checkpoint again")  # fmt: skip
                 ttft = ttft if ttft is not None else time.perf_counter() - start
                 self.last_ids.append(token)
                 yield from parser.push(token)

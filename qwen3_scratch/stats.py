@@ -3,6 +3,23 @@
 Decode is memory-bound: every new token reads every weight (and the KV cache) once, so the fastest
 possible decode is  bandwidth / bytes-read-per-step  steps per second. `bandwidth_util` is the share
 of that limit a run reached.
+
+The stats line (`GenerationStats.line`), key by key, for one generation (one batch):
+  prompt_tokens             prompt tokens of every row, padding not counted
+  generated_tokens          tokens the rows produced, each row's EOS included, nothing after it
+  elapsed_seconds           from the call to the last token (tokenizing excluded)
+  tokens_per_second         generated_tokens / elapsed_seconds
+  ttft_seconds              time to the first token: the prefill and the first sample
+  decode_tokens_per_second  decode_tokens / (elapsed - ttft): tokens made after the first step by the
+                            rows still running. A finished row keeps riding along in the batch (its
+                            compute is spent) but makes no token, so it is not counted.
+  device, dtype             where the model ran, in which dtype
+  peak_memory_mb            CPU: the process's peak resident set size (ru_maxrss) since it started:
+                            Python, torch, the weights' pages, everything; a high-water mark that never
+                            falls, so a second run in one process reports at least the first's.
+                            CUDA: the most memory torch's allocator handed out on the device during this
+                            generation (weights, cache, activations; not its reserved-but-free cache).
+  bandwidth_util            decode steps/s x bytes a step reads / measured bandwidth ("n/a" unless asked)
 """
 
 import resource
@@ -23,6 +40,7 @@ class GenerationStats:
     elapsed_seconds: float
     ttft_seconds: float
     decode_steps: int  # forward passes after the first token (each produces one token per row)
+    decode_tokens: int  # tokens those steps produced for rows that had not finished
     batch_size: int
     device: str
     dtype: str
@@ -40,8 +58,8 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        tokens = self.decode_steps * self.batch_size
-        return tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """Tokens of unfinished rows per second after the first step (finished rows make none)."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
     def bandwidth_util(self) -> float | None:
@@ -115,7 +133,8 @@ def reset_peak_memory(device) -> None:
 
 
 def peak_memory_bytes(device) -> int:
-    """GPU: the most memory torch had allocated; CPU: the process's peak resident set size."""
+    """CUDA: the most memory torch's allocator had handed out since reset_peak_memory (this run);
+    CPU: the process's peak resident set size since it started (Linux cannot reset it)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
