@@ -154,3 +154,13 @@ def test_piped_stdin_is_one_turn_per_line_and_a_bad_file_is_one_line(tiny, pipe,
     assert re.fullmatch(r"error: /load .*bad\.json: not valid JSON \(.*\)", rest[0]), rest[0]
     assert re.fullmatch(r"error: /load .*none\.json: No such file or directory", rest[1]), rest[1]
     assert rest[2].startswith("/think, /no_think"), "the session goes on after a bad file"
+
+
+@pytest.mark.parametrize("flags, needle", [(["--tools", "/no/such/tools.json"], "--tools"),
+                                           (["--temperature", "-1"], "--temperature")])  # fmt: skip
+def test_bad_flags_are_one_line_and_exit_2_before_the_model_loads(tiny, capsys, flags, needle):
+    from qwen3_scratch.chat_cli import main
+
+    code = main(["--model", str(tiny), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err and "Traceback" not in err, err
