@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens, for benchmarks (default: off)")
     p.add_argument("--show-stats", action="store_true", help="print a key=value stats line to stderr (default: off)")
     p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning (one prompt; default: off)")
-    p.add_argument("--tools", help="a JSON file with a list of tool schemas; calls print as JSON lines (one prompt)")
+    p.add_argument("--tools", help="a JSON file with a list of tool schemas; calls print as JSON lines (one prompt; default: none)")
     return p
 
 
