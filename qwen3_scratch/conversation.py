@@ -134,7 +134,7 @@ class Conversation:
                  reuse: bool = True):  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids, self.generation_config = set(eos_ids), generation_config
-        self.reuse = reuse  # False: every turn prefills its whole prompt (the benchmark's baseline)
+        self.reuse = reuse  # False: every turn prefills its whole prompt, as a single-prompt API does
         self.cache = ConversationCache(model)
         self.last_message: dict | None = None
         self.last_prompt: list[int] = []
