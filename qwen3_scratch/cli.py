@@ -51,6 +51,9 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="a local checkpoint folder or a Hub id (default %(default)s)")
     p.add_argument("--weights-dir", default="weights", help="where Hub models are downloaded (default %(default)s)")
     p.add_argument("--local-files-only", action="store_true", help="never touch the network (default: off)")
+    p.add_argument("--revision", help="the Hub branch, tag or commit to download (default: main)")
+    p.add_argument("--verify", action="store_true",
+                   help="hash every file again, compare with the Hub, re-fetch what differs (default: off)")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when a GPU is there, else cpu (default %(default)s)")  # fmt: skip
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="{auto,bfloat16,float16,float32}",
@@ -127,7 +130,8 @@ def run(args) -> None:
     request = request_from_args(args)
     from .pipeline import Pipeline
 
-    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype)
+    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
+                         revision=args.revision, verify=args.verify)  # fmt: skip
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
     if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls
         print_reply(pipe, prompts[0], request, args, tools)

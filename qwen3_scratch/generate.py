@@ -116,6 +116,8 @@ class CachedLoop:
         B, T = batch.ids.shape
         weight = model.lm_head.weight
         self.model, self.batch = model, batch
+        if compile and model.config.num_experts:  # which experts run depends on the data: no fixed graph
+            raise GenerationError("--compile is not implemented for MoE (qwen3_moe) models; run without it")
         if compile:
             self.cache = static_cache(model, B, T + n_new)
             self.decode_step = compiled_decode_step(self.cache)

@@ -111,8 +111,10 @@ class Pipeline:
         self._conversation: Conversation | None = None
 
     @classmethod
-    def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto"):
-        folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only)
+    def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto",
+             *, revision=None, verify=False):  # fmt: skip
+        folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
+                                    verify=verify)  # fmt: skip
         device = pick_device(device)
         tokenizer = Tokenizer.from_checkpoint(folder)
         return cls(load_model(folder, device=device, dtype=pick_dtype(dtype, device)), tokenizer, folder)

@@ -1,6 +1,7 @@
 """Honest numbers about a generation: time to first token, decode speed, memory, bandwidth use.
 
-Decode is memory-bound: every new token reads every weight (and the KV cache) once, so the fastest
+Decode is memory-bound: every new token reads every weight it uses (all of a dense model; in a mixture
+of experts, only the chosen experts) and the KV cache once, so the fastest
 possible decode is  bandwidth / bytes-read-per-step  steps per second. `bandwidth_util` is the share
 of that limit a run reached.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import Qwen3Config
+from .moe import SparseMoeBlock
 
 _BANDWIDTH_CACHE: dict[str, float] = {}
 
@@ -91,17 +93,34 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def bytes_per_decode_step(model, config: Qwen3Config, context_len: int, batch_size: int) -> int:
-    """What one decode step must read: every weight, plus the keys and values of the context.
+    """What one decode step must read: every weight it uses, plus the keys and values of the context.
+
+    In a mixture of experts that is only the experts the step's tokens chose (unread_expert_bytes).
 
     The embedding lookup reads one row, not the whole table; for untied models that table is
     not otherwise read, so it is left out.
     """
-    weights = weight_bytes(model)
+    weights = weight_bytes(model) - unread_expert_bytes(model, batch_size)
     if not config.tie_word_embeddings:
         weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     element = model.lm_head.weight.element_size()
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context_len
     return weights + kv * batch_size * element
+
+
+def unread_expert_bytes(model, batch_size: int) -> int:
+    """Bytes of the experts a decode step of batch_size tokens does not read, summed over MoE layers.
+
+    One token reads k of E experts. B tokens choose independently, so they read E * (1 - (1 - k/E)^B)
+    distinct experts on average if routing were uniform (exactly k for B = 1; all E as B grows).
+    """
+    unread = 0.0
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            E, k = len(block.experts), block.top_k
+            expert = sum(p.numel() * p.element_size() for p in block.experts[0].parameters())
+            unread += expert * (E - E * (1 - (1 - k / E) ** batch_size))
+    return round(unread)
 
 
 def measure_bandwidth(device: str | torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
