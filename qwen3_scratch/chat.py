@@ -157,3 +157,9 @@ class _GenerationBlock(jinja2.ext.Extension):
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         # A scope, like the macro call transformers wraps it in: names set inside stay inside.
         return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+if __name__ == "__main__":  # `python -m qwen3_scratch.chat`: the interactive chat (chat_cli.py)
+    from .chat_cli import main
+
+    raise SystemExit(main())

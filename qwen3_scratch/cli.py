@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the decode step (CUDA graphs on GPU); the first step pays the compile time (default: off)")  # fmt: skip
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens, for benchmarks (default: off)")
     p.add_argument("--show-stats", action="store_true", help="print a key=value stats line to stderr (default: off)")
+    p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning (one prompt; default: off)")
+    p.add_argument("--tools", help="a JSON file with a list of tool schemas; calls print as JSON lines (one prompt; default: none)")
     return p
 
 
@@ -124,17 +126,22 @@ def run(args) -> None:
     prompts = read_prompts(args.prompt, args.prompts_file, sys.stdin)  # before torch: bad input fails fast
     if (args.prompt or args.prompts_file) and stdin_waiting(sys.stdin):
         print(f"{PROG}: warning: ignoring stdin, the prompt comes from --prompt/--prompts-file", file=sys.stderr)
+    tools = check_reply_flags(args, prompts)
     request = request_from_args(args)
     from .pipeline import Pipeline
 
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
                          revision=args.revision, verify=args.verify)  # fmt: skip
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
+    if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls
+        print_reply(pipe, prompts[0], request, args, tools)
+        report(pipe, args, f" reasoning_tokens={pipe.conversation.last_stats.reasoning_tokens}")
+        return
     if len(prompts) == 1:
         for piece in pipe.stream(prompts[0], request, **template):
             print(piece, end="", flush=True)
         print()
-        report(pipe, args)
+        report(pipe, args, f" reasoning_tokens={reasoning_tokens(pipe)}")
         return
     done = 0
     for texts in pipe.generate_batches(prompts, request, args.batch_size, **template):
@@ -144,13 +151,41 @@ def run(args) -> None:
         report(pipe, args)
 
 
-def report(pipe, args) -> None:
-    """After each generation (each batch): the context note and the stats line, on stderr."""
+def report(pipe, args, extra: str = "") -> None:
+    """After each generation (each batch): the context note and the stats line (+ extra), on stderr."""
     if pipe.last_stop_reason == "context":
         print(f"[stopped: reached the model's context of {pipe.model.config.max_position_embeddings} tokens]",
               file=sys.stderr)  # fmt: skip
     if args.show_stats:
-        print(pipe.last_stats.line(), file=sys.stderr)
+        print(pipe.last_stats.line() + extra, file=sys.stderr)
+
+
+def check_reply_flags(args, prompts) -> list[dict] | None:
+    """--hide-thinking and --tools need the parsed reply: one prompt, in chat mode. Returns the tools."""
+    from .chat_cli import read_tools
+
+    flag = "--tools" if args.tools is not None else "--hide-thinking" if args.hide_thinking else None
+    if flag and (not args.chat or len(prompts) > 1):
+        raise InputError(f"{flag} needs one prompt in chat mode (drop --no-chat, or pass a single --prompt)")
+    return read_tools(args.tools) if args.tools is not None else None
+
+
+def print_reply(pipe, prompt, request, args, tools) -> None:
+    """The reply as typed pieces: reasoning apart (or hidden), the answer, each tool call as a JSON line."""
+    from .chat_cli import ReplyPrinter
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+    printer = ReplyPrinter(sys.stdout, args.hide_thinking)
+    for delta in pipe.chat_stream(messages, request, tools, args.thinking is not False):
+        printer.show(delta)
+    printer.end()
+
+
+def reasoning_tokens(pipe) -> int:
+    """How many of the tokens pipe.stream just generated went to reasoning."""
+    from .conversation import count_reasoning_tokens
+
+    return count_reasoning_tokens(pipe.tokenizer, pipe.last_prompt_ids, pipe.last_ids)
 
 
 def run_cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .chat_parser import Delta
+from .conversation import Conversation
 from .errors import GenerationError
 from .generate import generate_tokens
 from .hub import resolve_checkpoint
@@ -107,6 +109,7 @@ class Pipeline:
         self.generation_config = load_generation_config(self.checkpoint, model.config.vocab_size)
         self.last_stats: GenerationStats | None = None
         self.last_stop_reason: str | None = None
+        self._conversation: Conversation | None = None
 
     @classmethod
     def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto",
@@ -217,7 +220,10 @@ class Pipeline:
         request = request or GenerationRequest()
         ids = self.prompt_ids(prompt, **template)
         detok = StreamingDetokenizer(self.tokenizer, skip_special_tokens=True)
+        self.last_prompt_ids, self.last_ids = ids, []  # for counting reasoning tokens afterwards
         for (token,) in self.stream_ids([ids], request):
+            if token >= 0:
+                self.last_ids.append(token)
             if token >= 0 and (piece := detok.push(token)):
                 yield piece
         if tail := detok.flush():
@@ -248,3 +254,32 @@ class Pipeline:
                     if token >= 0:
                         outputs[row].append(token)
             yield [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+
+    @property
+    def conversation(self) -> Conversation:
+        """The chat state: one KV cache kept across chat turns (conversation.py)."""
+        if self._conversation is None:
+            self._conversation = Conversation(self.model, self.tokenizer, self.eos_ids, self.generation_config)
+        return self._conversation
+
+    def chat_stream(self, messages: list[dict], request: GenerationRequest | None = None, tools=None,
+                    thinking: bool = True) -> Iterator[Delta]:  # fmt: skip
+        """Yield the assistant's reply to `messages` as typed pieces: reasoning text, answer text, finished
+        tool calls. The KV cache of the previous turn is reused as far as the two prompts agree;
+        `self.conversation.last_message` is the reply (also after the stream is closed early)."""
+        request, conversation = request or GenerationRequest(), self.conversation
+        try:
+            yield from conversation.stream(messages, request, tools, thinking)
+        finally:
+            if (turn := conversation.last_stats) is not None:
+                steps = turn.generated_tokens
+                self._record([conversation.last_prompt], request, steps, steps, max(steps - 1, 0),
+                             turn.elapsed_seconds, turn.ttft_seconds)  # fmt: skip
+
+    def chat(self, messages: list[dict], request: GenerationRequest | None = None, tools=None,
+             thinking: bool = True) -> dict:  # fmt: skip
+        """The assistant's reply to `messages`: {"role": "assistant", "content", "reasoning_content",
+        ["tool_calls"]}. Append it and the next user message to continue the conversation."""
+        for _ in self.chat_stream(messages, request, tools, thinking):
+            pass
+        return self.conversation.last_message

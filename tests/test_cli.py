@@ -16,7 +16,7 @@ from qwen3_scratch.weights import load_model
 
 STATS_KEYS = [
     "prompt_tokens", "generated_tokens", "elapsed_seconds", "tokens_per_second", "ttft_seconds",
-    "decode_tokens_per_second", "device", "dtype", "peak_memory_mb", "bandwidth_util",
+    "decode_tokens_per_second", "device", "dtype", "peak_memory_mb", "bandwidth_util", "reasoning_tokens",
 ]  # fmt: skip
 
 

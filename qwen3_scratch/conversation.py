@@ -1,0 +1,186 @@
+"""Multi-turn chat: each turn renders the whole conversation, but prefills only what the cache lacks.
+
+A conversation is a list of messages. Every turn, the chat template renders the whole list, the model
+generates the assistant's reply, and the caller appends it and the next user message. Running the whole
+history through the model every turn would cost O(history) per turn for nothing: a token's keys and
+values depend only on the tokens before it, so whatever prefix the new prompt shares with the tokens
+already in the cache is already computed.
+
+The new prompt is not always the old sequence plus the new message. Qwen3's template drops the reasoning
+of past turns, so the reply just generated (`<think>...</think>answer`) comes back shorter; a caller may
+edit an earlier message. So the cache remembers the token id in each of its slots, and each turn keeps
+the longest common prefix of those ids and the new prompt and prefills the rest, over the unchanged
+model (explicit slots, positions and mask, as generate.py's `prefill` and `decode_step` use it).
+
+Shapes: S cache slots, T tokens in one forward, V vocab.
+"""
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .chat_parser import Delta, StreamParser, prompt_opens_thinking
+from .errors import GenerationError
+from .generate import CACHE_BLOCK, plan_new_tokens
+from .kv_cache import KVCache, attention_mask
+from .model import Qwen3
+from .sampling import NON_FINITE, resolve_sampling_params, sample
+from .tokenizer import Tokenizer
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ConversationCache:
+    """A batch-1 KV cache that outlives a generation, knowing which token id fills each slot.
+
+    Invariant: slots 0..len(tokens)-1 hold the keys/values of `tokens`, computed as one sequence;
+    anything in later slots is stale and never attended (the mask stops at the current sequence).
+    """
+
+    def __init__(self, model: Qwen3, block: int = CACHE_BLOCK):
+        self.model, self.block = model, block
+        self.cache: KVCache | None = None
+        self.tokens: list[int] = []
+
+    def reset(self) -> None:
+        self.tokens = []  # the tensors stay allocated for the next conversation
+
+    def prefill(self, prompt_ids: list[int], reserve: int = 0) -> torch.Tensor:
+        """Make the cache hold prompt_ids, running only the tokens past the common prefix.
+
+        reserve: slots to keep free after the prompt (the tokens about to be generated).
+        Returns the next-token logits, (1, V).
+        """
+        # The last prompt token runs even when it is cached: its logits give the first new token.
+        keep = min(common_prefix_length(self.tokens, prompt_ids), len(prompt_ids) - 1)
+        # Slots past the common prefix were computed after other tokens: forget them before anything
+        # runs, so an interrupted prefill leaves the invariant true.
+        self.tokens = self.tokens[:keep]
+        self._reserve(len(prompt_ids) + reserve)
+        logits = self._run(prompt_ids[keep:], keep)
+        self.tokens = list(prompt_ids)
+        return logits
+
+    def step(self, token: int) -> torch.Tensor:
+        """Append one token (the one just sampled); returns the logits after it, (1, V)."""
+        logits = self._run([token], len(self.tokens))
+        self.tokens.append(token)
+        return logits
+
+    def _run(self, ids: list[int], start: int) -> torch.Tensor:
+        device = self.model.lm_head.weight.device
+        # One row and no padding: a token's slot is its RoPE position.
+        slots = torch.arange(start, start + len(ids), device=device)  # (T,)
+        # Causal over the filled slots only: stale slots past the end are never seen.
+        mask = attention_mask(slots, self.cache.key_valid[:, : start + len(ids)])  # (1, 1, T, S)
+        input_ids = torch.tensor([ids], device=device)  # (1, T)
+        return self.model(input_ids, slots[None], mask, self.cache, slots, last_only=True)[:, -1]  # (1, V)
+
+    def _reserve(self, length: int) -> None:
+        """Grow to at least `length` slots (whole blocks, at most the context), keeping the valid ones."""
+        if self.cache is not None and self.cache.max_len >= length:
+            return
+        context = self.model.config.max_position_embeddings
+        weight = self.model.lm_head.weight
+        size = min(-(-length // self.block) * self.block, context)
+        bigger = KVCache(self.model.config, 1, size, weight.device, weight.dtype)
+        n = len(self.tokens)
+        if self.cache is not None and n:
+            bigger.keys[:, :, :, :n] = self.cache.keys[:, :, :, :n]  # (L, 1, K, n, D)
+            bigger.values[:, :, :, :n] = self.cache.values[:, :, :, :n]
+        self.cache = bigger
+
+
+def count_reasoning_tokens(tokenizer: Tokenizer, prompt_ids: list[int], ids: list[int]) -> int:
+    """How many of the generated `ids` are reasoning (the prompt may have opened <think> already)."""
+    parser = StreamParser(tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, tokenizer))
+    for token in ids:
+        parser.push(token)
+    parser.finish()
+    return parser.reasoning_tokens
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose keys/values came from the previous turn's cache
+    generated_tokens: int
+    reasoning_tokens: int
+    ttft_seconds: float
+    elapsed_seconds: float
+
+    def line(self) -> str:
+        return " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+                        for key, value in vars(self).items())  # fmt: skip
+
+
+class Conversation:
+    """Chat turns over one model and one ConversationCache.
+
+    Stateless about the messages (the caller owns the list and may edit it); stateful only about the
+    cache, which any message list can reuse as far as its tokens agree with the cached ones.
+    """
+
+    def __init__(self, model: Qwen3, tokenizer: Tokenizer, eos_ids: list[int], generation_config: dict,
+                 reuse: bool = True):  # fmt: skip
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_ids, self.generation_config = set(eos_ids), generation_config
+        self.reuse = reuse  # False: every turn prefills its whole prompt, as a single-prompt API does
+        self.cache = ConversationCache(model)
+        self.last_message: dict | None = None
+        self.last_prompt: list[int] = []
+        self.last_ids: list[int] = []  # the generated ids of the last turn, EOS included
+        self.last_stats: TurnStats | None = None
+
+    def stream(self, messages: list[dict], request, tools=None, thinking: bool = True) -> Iterator[Delta]:
+        """Yield the reply to `messages` as typed pieces; `last_message` holds it once the stream ends.
+
+        request: a pipeline.GenerationRequest (its sampling fields, max_new_tokens, seed, ignore_eos).
+        Closing the stream early (Ctrl-C) still leaves what was generated so far in `last_message`.
+        """
+        prompt = self.tokenizer.chat_ids(messages, enable_thinking=thinking, tools=tools)
+        n_new = plan_new_tokens(len(prompt), request.max_new_tokens, self.model.config.max_position_embeddings)
+        params = resolve_sampling_params(
+            self.generation_config, request.temperature, request.top_k, request.top_p, request.min_p
+        )
+        generator = None
+        if request.seed is not None:
+            generator = torch.Generator(self.model.lm_head.weight.device).manual_seed(request.seed)
+        parser = StreamParser(self.tokenizer, in_reasoning=prompt_opens_thinking(prompt, self.tokenizer))
+        if not self.reuse:
+            self.cache.reset()
+        reused = min(common_prefix_length(self.cache.tokens, prompt), len(prompt) - 1)
+        self.last_prompt, self.last_ids, self.last_message, self.last_stats = prompt, [], None, None
+        start, ttft, finished = time.perf_counter(), None, False
+        try:
+            logits = self.cache.prefill(prompt, reserve=n_new)  # (1, V)
+            for i in range(n_new):
+                token = int(sample(logits, params, generator))  # the host sync streaming needs anyway
+                if token == NON_FINITE:
+                    raise GenerationError(f"stopped at generated token {i + 1}: the model's logits are NaN or inf; "
+                                          "try --dtype float32, or download the checkpoint again")  # fmt: skip
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                self.last_ids.append(token)
+                yield from parser.push(token)
+                if token in self.eos_ids and not request.ignore_eos:
+                    break
+                if i + 1 < n_new:
+                    logits = self.cache.step(token)
+            finished = True
+            yield from parser.finish()
+        finally:
+            if not finished:
+                parser.finish()  # interrupted: the tokens so far still make a message
+            self.last_message = parser.message()
+            elapsed = time.perf_counter() - start
+            self.last_stats = TurnStats(len(prompt), reused, len(self.last_ids), parser.reasoning_tokens,
+                                        ttft if ttft is not None else elapsed, elapsed)  # fmt: skip
