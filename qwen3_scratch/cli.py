@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--quantize", choices=["int8"], help="int8 weights with per-row scales, computed at load (CPU and CUDA)")
     p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="decode with the KV cache (--no-kv-cache: recompute everything each step)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU); the first step pays the compile time")
@@ -60,7 +61,7 @@ def read_prompts(args) -> list[str]:
 
 def run(args) -> None:
     prompts = read_prompts(args)
-    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype)
+    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype, args.quantize)
     request = GenerationRequest(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, seed=args.seed, use_cache=args.kv_cache,

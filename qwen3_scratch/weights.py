@@ -24,7 +24,9 @@ from torch import nn
 
 from .config import DTYPES, Qwen3Config
 from .errors import CheckpointError
+from .fuse import fuse_projections, prepack_for_cpu
 from .model import Qwen3
+from .quantize import SCHEMES, quantize_model
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 LFS_POINTER_PREFIX = b"version https://git-lfs"
@@ -191,8 +193,15 @@ def tensor_from_map(shard: torch.Tensor, entry: TensorEntry, device, dtype) -> t
     return raw.view(entry.dtype).view(entry.shape).to(device=device, dtype=dtype)
 
 
-def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
-    """Build Qwen3 from a checkpoint folder; returns the model in eval mode on `device` in `dtype`."""
+def load_model(path, device="cpu", dtype=torch.float32, optimize=False, quantize=None) -> Qwen3:
+    """Build Qwen3 from a checkpoint folder; returns the model in eval mode on `device` in `dtype`.
+
+    optimize: after the strict load, fuse q/k/v and gate/up and prepack the matrices for the CPU's
+        matmul library (fuse.py): faster decode, logits equal up to float rounding.
+    quantize: "int8" stores every matrix as int8 with per-row scales computed now (quantize.py).
+    """
+    if quantize is not None and quantize not in SCHEMES:
+        raise CheckpointError(f"--quantize {quantize!r} is not supported; use one of {', '.join(SCHEMES)}")
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
@@ -223,4 +232,10 @@ def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
     if tied_head:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.build_rope_tables(device, dtype)
+    if optimize:
+        fuse_projections(model)
+    if quantize is not None:
+        quantize_model(model, quantize)
+    if optimize:
+        prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
     return model.eval()

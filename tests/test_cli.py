@@ -10,7 +10,7 @@ import pytest
 
 from make_tiny_checkpoint import make_tiny_checkpoint
 from qwen3_scratch.cli import main
-from qwen3_scratch.pipeline import GenerationRequest, Pipeline
+from qwen3_scratch.pipeline import GenerationRequest, Pipeline, pick_dtype
 from qwen3_scratch.tokenizer import Tokenizer
 from qwen3_scratch.weights import load_model
 
@@ -47,7 +47,7 @@ def test_greedy_cli_output_equals_the_python_api(tiny, capsys):
     code, out, err = cli(capsys, "--model", tiny, "--prompt", "Hello there", "--temperature", "0",
                          "--max-new-tokens", "20")  # fmt: skip
     assert code == 0, err
-    pipe = Pipeline(load_model(tiny), Tokenizer.from_checkpoint(tiny), tiny)
+    pipe = Pipeline.load(tiny, local_files_only=True)  # the same defaults (dtype, layout) as the CLI
     expected = pipe.generate(["Hello there"], GenerationRequest(max_new_tokens=20, temperature=0))[0]
     assert out == expected + "\n"
 
@@ -59,7 +59,7 @@ def test_stats_line_goes_to_stderr_as_key_value_pairs(tiny, capsys):
     pairs = dict(item.split("=", 1) for item in err.strip().splitlines()[-1].split())
     assert list(pairs) == STATS_KEYS
     assert pairs["generated_tokens"] == "8", "--ignore-eos must generate exactly --max-new-tokens"
-    assert pairs["device"] == "cpu" and pairs["dtype"] == "float32"
+    assert pairs["device"] == "cpu" and pairs["dtype"] == pick_dtype("auto", "cpu")
     assert float(pairs["tokens_per_second"]) > 0 and 0 < float(pairs["bandwidth_util"]) < 10
 
 
