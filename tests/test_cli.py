@@ -206,3 +206,16 @@ def test_a_mistyped_local_folder_says_so(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
     code, _, err = cli(capsys, "--model", "weights/tiny-qwen3x", "--prompt", "x")
     assert_one_line_error(code, err, "no folder weights/tiny-qwen3x here")
+
+
+def test_quantize_int8_generates_from_the_cli(tiny, capsys):
+    code, out, err = cli(capsys, "--model", tiny, "--prompt", "Hi", "--max-new-tokens", "6", "--ignore-eos",
+                         "--temperature", "0", "--quantize", "int8", "--show-stats")  # fmt: skip
+    assert code == 0, err
+    pairs = dict(item.split("=", 1) for item in err.strip().splitlines()[-1].split())
+    assert pairs["generated_tokens"] == "6" and out.strip(), "int8 must generate text"
+
+
+def test_compile_on_cpu_refuses_in_one_line(tiny, capsys):
+    code, out, err = cli(capsys, "--model", tiny, "--prompt", "Hi", "--device", "cpu", "--compile")
+    assert_one_line_error(code, err, "--compile", "drop --compile")
