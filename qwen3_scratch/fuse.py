@@ -83,8 +83,12 @@ def prepack_for_cpu(model: Qwen3) -> Qwen3:
     """
     if not can_prepack(model):
         return model
-    for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, PackedLinear(module))
+    # names, not modules: holding every replaced module in a list would keep all the old matrices alive
+    # until the loop ends (a second copy of the model); this way each is freed as soon as it is replaced
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(name)
+        setattr(model.get_submodule(parent_name), attr, PackedLinear(module))
+        del module
     return model

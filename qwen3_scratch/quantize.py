@@ -23,11 +23,18 @@ from .model import Qwen3
 SCHEMES = ("int8",)
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> q (N, K) int8 and scales (N,) fp32, symmetric, one scale per row."""
-    w = weight.float()  # fp32 holds every bf16 value exactly, so these are the bf16 weights' scales
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,); an all-zero row stays zero
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)  # (N, K)
+def quantize_rows(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> q (N, K) int8 and scales (N,) fp32, symmetric, one scale per row.
+
+    In chunks of rows, so the fp32 temporaries of a 151936-row lm_head never exist all at once.
+    """
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)  # (N, K)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)  # (N,)
+    for start in range(0, weight.shape[0], rows_per_chunk):
+        w = weight[start : start + rows_per_chunk].float()  # exact for bf16: these are the bf16 weights' scales
+        s = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # an all-zero row stays zero
+        q[start : start + rows_per_chunk] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        scales[start : start + rows_per_chunk] = s
     return q, scales
 
 
@@ -61,10 +68,14 @@ def quantize_model(model: Qwen3, scheme: str = "int8") -> Qwen3:
     if scheme not in SCHEMES:
         raise CheckpointError(f"--quantize {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
     dtype = model.model.embed_tokens.weight.dtype
-    for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, Int8Linear(module, dtype))
+    # names, not modules: holding every replaced module in a list would keep all the old matrices alive
+    # until the loop ends (a second copy of the model); this way each is freed as soon as it is replaced
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(name)
+        setattr(model.get_submodule(parent_name), attr, Int8Linear(module, dtype))
+        del module
     return model
 
 

@@ -231,6 +231,7 @@ def load_model(path, device="cpu", dtype=torch.float32, optimize=False, quantize
         setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
     if tied_head:
         model.lm_head.weight = model.model.embed_tokens.weight
+    del loaded  # the model holds each tensor now; a transform below must be able to free the ones it replaces
     model.build_rope_tables(device, dtype)
     if optimize:
         fuse_projections(model)

@@ -240,7 +240,7 @@ def run_engines(model, engines: list[str], args, prompt, device, lengths, vocab)
     for engine in engines:
         n = args.new_tokens if engine != "recompute" else args.recompute_new_tokens
         # Recompute keeps no state between runs, so a few tokens warm its kernels as well as n would.
-        warmup = n if engine != "recompute" else min(n, 4)
+        warmup = args.warmup_tokens or (n if engine != "recompute" else min(n, 4))
         print(f"{engine}: {n} new tokens, warm-up run of {warmup}, then {args.repeats} timed", flush=True)
         results[engine] = median_run(time_engine(engine, model, prompt, n, device, args.repeats, warmup))
         if lengths and engine in SWEEPS:
@@ -403,6 +403,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=None,
                    help="use this folder instead of weights/qwen3-<size>-shapes (with one size only)")
     p.add_argument("--out", default="docs/benchmarks", help="folder for <device>_<size>.json and the PNG")
+    p.add_argument("--warmup-tokens", type=int, default=None, help="tokens of the untimed warm-up run (default: as timed)")
     p.add_argument("--llamacpp-q8", action="store_true", help="llamacpp engine: the Q8_0 GGUF (int8) instead of --dtype's")
     p.add_argument("--table", action="store_true",
                    help="the issue's table: every engine and dtype in its own process, alternating (engine_table.py)")

@@ -40,6 +40,7 @@ def run_cell(engine: str, dtype: str, args, workdir: Path) -> dict | None:
     command = [sys.executable, str(HERE / "benchmark.py"), "--sizes", args.sizes, "--device", "cpu",
                "--dtype", "bfloat16" if dtype == "int8" else dtype, "--engines", engine, "--repeats", "1",
                "--sweep-lengths", "", "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens),
+               "--warmup-tokens", str(args.warmup_tokens or 4),
                "--child-json", str(out)] + (["--llamacpp-q8"] if dtype == "int8" and engine == "llamacpp" else []) \
         + (["--checkpoint", args.checkpoint] if args.checkpoint else [])  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
