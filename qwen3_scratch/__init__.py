@@ -1,15 +1,24 @@
 """Qwen3 from scratch in plain PyTorch.
 
     from qwen3_scratch import load_model
-    model = load_model("weights/Qwen3-0.6B", device="cuda", dtype="bfloat16")
+    model = load_model("weights/tiny-qwen3", device="cpu", dtype="float32")
     logits = model(input_ids)  # (B, T) -> (B, T, V)
+
+The names below load on first use, so `import qwen3_scratch` (and the CLI's `--help`, and a Ctrl-C
+in its first seconds) does not wait for torch.
 """
 
-from .config import Qwen3Config
-from .errors import CheckpointError, ConfigError, GenerationError, HubError, Qwen3Error
-from .kv_cache import KVCache
-from .model import Qwen3
-from .weights import load_model
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+
+from .errors import CheckpointError, ConfigError, GenerationError, HubError, InputError, Qwen3Error
+
+try:
+    __version__ = version("qwen3-scratch")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+_LAZY = {"Qwen3Config": ".config", "Qwen3": ".model", "KVCache": ".kv_cache", "load_model": ".weights"}
 
 __all__ = [
     "Qwen3Config",
@@ -21,4 +30,12 @@ __all__ = [
     "CheckpointError",
     "HubError",
     "GenerationError",
+    "InputError",
+    "__version__",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

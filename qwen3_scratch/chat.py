@@ -32,13 +32,18 @@ def render_chat_template(
     enable_thinking: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
     template_source: str = "the chat template",
     **extra,
 ) -> str:
     """Render `messages` ([{"role": ..., "content": ...}, ...]) with a checkpoint's chat template.
 
-    bos_token / eos_token (and any `extra` variable, e.g. pad_token or tools) are visible to the
-    template under those names; a None token is left undefined, as transformers does.
+    tools: JSON schemas of the functions the model may call ({"type": "function", "function": {...}}),
+    documents: retrieved texts for templates that support them; both reach the template under those
+    names exactly as transformers passes them (None when absent, so `{% if tools %}` is false).
+    bos_token / eos_token (and any `extra` variable, e.g. pad_token) are visible to the template
+    under those names; a None token is left undefined, as transformers does.
     template_source names where the template came from, for error messages.
     Raises ConfigError, one line, when the template does not compile or fails while rendering.
     """
@@ -50,8 +55,8 @@ def render_chat_template(
         compiled = _compile(template)
         return compiled.render(
             messages=_normalise_messages(messages),
-            tools=None,
-            documents=None,
+            tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
             **variables,

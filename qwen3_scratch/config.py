@@ -49,6 +49,21 @@ class Qwen3Config:
     torch_dtype: str = "bfloat16"  # the dtype the checkpoint is stored in
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # Mixture of experts (model_type qwen3_moe); num_experts 0 means a dense Qwen3.
+    num_experts: int = 0  # E: expert MLPs per MoE layer (30B-A3B: 128)
+    num_experts_per_tok: int = 0  # k: experts each token is routed to (30B-A3B: 8)
+    moe_intermediate_size: int = 0  # width of each expert's SwiGLU (30B-A3B: 768)
+    norm_topk_prob: bool = False  # rescale the k chosen router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # every step-th layer (1-based) is MoE; the others keep a dense MLP
+    mlp_only_layers: list[int] = field(default_factory=list)  # layer indices forced to a dense MLP
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` (0-based) has the sparse MoE block, by transformers' rule."""
+        return (
+            self.num_experts > 0
+            and layer_index not in self.mlp_only_layers
+            and (layer_index + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def kv_groups(self) -> int:
@@ -67,6 +82,7 @@ class Qwen3Config:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        _check_moe_fields(self)
 
     @classmethod
     def from_json(cls, path) -> "Qwen3Config":
@@ -83,10 +99,10 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "Qwen3Config":
-        if raw.get("model_type") != "qwen3":
+        if raw.get("model_type") not in ("qwen3", "qwen3_moe"):
             raise ConfigError(
                 f"{source}: model_type is {raw.get('model_type')!r}; qwen3-scratch implements only 'qwen3' "
-                "(dense Qwen3, 0.6B to 32B)"
+                "(dense Qwen3, 0.6B to 32B) and 'qwen3_moe' (30B-A3B, 235B-A22B)"
             )
         if raw.get("use_sliding_window"):
             raise ConfigError(f"{source}: use_sliding_window=true is not implemented; Qwen3 ships it false")
@@ -110,6 +126,7 @@ class Qwen3Config:
                 torch_dtype=_read_dtype(raw),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
                 bos_token_id=raw.get("bos_token_id"),
+                **_read_moe(raw),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing key {e.args[0]!r}; is this a Qwen3 config.json?") from e
@@ -119,6 +136,55 @@ class Qwen3Config:
         if hidden_act != "silu":
             raise ConfigError(f"{source}: hidden_act {hidden_act!r} is not implemented; Qwen3 uses 'silu'")
         return config
+
+
+def _read_moe(raw: dict) -> dict:
+    """The qwen3_moe fields (none for a dense qwen3 config).
+
+    transformers 5 writes num_experts as `num_local_experts`. The router-loss settings
+    (output_router_logits, router_aux_loss_coef) only matter for training and are ignored.
+    """
+    if raw.get("model_type") != "qwen3_moe":
+        return {}
+    for key in ("shared_expert_intermediate_size", "moe_layer_freq", "first_k_dense_replace"):
+        if raw.get(key):  # other MoE families' features, not Qwen3-MoE's
+            raise ConfigError(f"{key}={raw[key]!r} is not implemented; Qwen3-MoE has no such setting")
+    num_experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if num_experts is None:
+        raise KeyError("num_experts")
+    if num_experts == 0:  # transformers would quietly build a dense model; that is not a Qwen3-MoE checkpoint
+        raise ConfigError("num_experts must be an integer >= 1 for model_type qwen3_moe, got 0")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=raw["num_experts_per_tok"],
+        moe_intermediate_size=raw["moe_intermediate_size"],
+        norm_topk_prob=raw.get("norm_topk_prob", False),
+        decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+        mlp_only_layers=raw.get("mlp_only_layers") or [],
+    )
+
+
+def _check_moe_fields(config: Qwen3Config) -> None:
+    """Types and ranges of the MoE fields, each error naming its key."""
+    if config.num_experts == 0:
+        return
+    E, L = config.num_experts, config.num_hidden_layers
+    for key, value, low, high in [
+        ("num_experts", E, 1, None),
+        ("num_experts_per_tok", config.num_experts_per_tok, 1, E),
+        ("moe_intermediate_size", config.moe_intermediate_size, 1, None),
+        ("decoder_sparse_step", config.decoder_sparse_step, 1, None),
+    ]:
+        if type(value) is not int or value < low or (high is not None and value > high):
+            bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise ConfigError(f"{key} must be an integer {bounds}, got {value!r}")
+    if type(config.norm_topk_prob) is not bool:
+        raise ConfigError(f"norm_topk_prob must be true or false, got {config.norm_topk_prob!r}")
+    if not isinstance(config.mlp_only_layers, list):
+        raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {config.mlp_only_layers!r}")
+    bad = [i for i in config.mlp_only_layers if type(i) is not int or not 0 <= i < L]
+    if bad:
+        raise ConfigError(f"mlp_only_layers must hold layer indices in 0..{L - 1}, got {bad[0]!r}")
 
 
 def _read_dtype(raw: dict) -> str:

@@ -24,3 +24,7 @@ class HubError(Qwen3Error):
 
 class GenerationError(Qwen3Error):
     """Bad generation settings: impossible sampling values, a prompt longer than the context."""
+
+
+class InputError(Qwen3Error):
+    """A prompt that cannot be used: unreadable, not UTF-8, or larger than the documented limits."""

@@ -21,7 +21,8 @@ Shapes: C hidden_size, H query heads, K kv heads, D head_dim, F intermediate_siz
 import torch
 from torch import nn
 
-from .model import Qwen3
+from .model import MLP, Qwen3
+from .moe import SparseMoeBlock
 
 
 def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -43,9 +44,16 @@ def fuse_projections(model: Qwen3) -> Qwen3:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])  # (H*D + 2*K*D, C)
         del attn.q_proj, attn.k_proj, attn.v_proj  # the separate matrices are freed layer by layer
-        mlp.gate_up_proj = fused_linear([mlp.gate_proj, mlp.up_proj])  # (2F, C)
-        del mlp.gate_proj, mlp.up_proj
+        if isinstance(mlp, MLP):  # a MoE layer's experts keep their own layout (moe.py)
+            mlp.gate_up_proj = fused_linear([mlp.gate_proj, mlp.up_proj])  # (2F, C)
+            del mlp.gate_proj, mlp.up_proj
     return model
+
+
+def in_moe_block(model: Qwen3, name: str) -> bool:
+    """True for the router and experts of a MoE layer, which these transforms leave as moe.py wrote them."""
+    parts = name.split(".")
+    return any(isinstance(model.get_submodule(".".join(parts[:i])), SparseMoeBlock) for i in range(1, len(parts)))
 
 
 class PackedLinear(nn.Module):
@@ -85,7 +93,7 @@ def prepack_for_cpu(model: Qwen3) -> Qwen3:
         return model
     # names, not modules: holding every replaced module in a list would keep all the old matrices alive
     # until the loop ends (a second copy of the model); this way each is freed as soon as it is replaced
-    names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear and not in_moe_block(model, name)]
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         module = model.get_submodule(name)

@@ -4,7 +4,8 @@ Two loops share one model:
   - full recompute: every step runs the whole sequence again (the reference: simple, obviously right);
   - KV cache: `prefill` runs the prompt once and fills the cache, then each `decode_step` runs only
     the newest token against the cached keys/values.
-Both yield one (B,) tensor of token ids per step; finished rows yield -1. Several prompts run as one
+Both yield one (B,) tensor of token ids per step; finished rows yield -1, and a row whose logits were
+not finite yields -2 (sampling.NON_FINITE: the caller must stop). Several prompts run as one
 left-padded batch: each row gets its own RoPE positions and a mask that hides its padding, so a
 row's tokens are the same as if it ran alone.
 
@@ -12,6 +13,13 @@ row's tokens are the same as if it ran alone.
 
 Shapes: B batch, T tokens, S cache slots, V vocab.
 """
+
+if __name__ == "__main__":
+    # `python -m qwen3_scratch.generate`: hand over to the CLI before the imports below, so that
+    # importing torch (seconds) runs inside the CLI's Ctrl-C handling: exit 130, no traceback.
+    from qwen3_scratch.cli import main
+
+    raise SystemExit(main())
 
 import weakref
 from collections.abc import Iterator
@@ -108,6 +116,8 @@ class CachedLoop:
         B, T = batch.ids.shape
         weight = model.model.embed_tokens.weight  # the activations' dtype, also when lm_head is int8
         self.model, self.batch = model, batch
+        if compile and model.config.num_experts:  # which experts run depends on the data: no fixed graph
+            raise GenerationError("--compile is not implemented for MoE (qwen3_moe) models; run without it")
         if compile:
             self.cache = static_cache(model, B, T + n_new)
             self.decode_step = compiled_decode_step(self.cache)
@@ -146,7 +156,9 @@ def generate_tokens(
     pad_id: int = 0,
     compile: bool = False,
 ) -> Iterator[torch.Tensor]:
-    """Yield the next token of every row, (B,) on the model's device, -1 once a row has finished.
+    """Yield the next token of every row, (B,) on the model's device, -1 once a row has finished,
+    NON_FINITE (-2) where a row's logits were NaN or inf: the caller must stop there (checking it
+    here would cost a host sync per step; the caller reads the tokens anyway).
 
     A row finishes when it emits one of eos_ids (the EOS token itself is yielded). The loop ends when
     every row has finished, after max_new_tokens, or when the context is full.
@@ -166,7 +178,7 @@ def generate_tokens(
             if finished.all():  # the only host sync, and only when EOS can end the loop early
                 return
         if i + 1 < n_new:
-            logits = loop.step(tokens)
+            logits = loop.step(tokens.clamp_min(0))  # NON_FINITE is no token id; the caller stops anyway
 
 
 # A compiled step is recorded against its cache tensors' addresses (and guarded on them), so a new
@@ -200,9 +212,3 @@ def compiled_decode_step(cache: KVCache):
     torch._dynamo.mark_static_address(cache.key_valid)
     mode = "reduce-overhead" if cache.keys.is_cuda else "default"
     return torch.compile(decode_step, mode=mode, fullgraph=True)
-
-
-if __name__ == "__main__":
-    from .cli import main
-
-    raise SystemExit(main())

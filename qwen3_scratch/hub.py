@@ -1,11 +1,12 @@
 """Turn `--model` into a checkpoint folder: a local folder as it is, or a Hub id downloaded into weights/<name>.
 
-The download is huggingface_hub's `snapshot_download` into a plain folder (`local_dir`), so the files a
-learner opens are the Hub's files under their Hub names, not symlinks into a cache. What this module adds:
+The download (`snapshot.py`, one file at a time by `download.py`) puts the Hub's files, under their Hub names,
+into a plain folder (no symlinks into a cache), so the files a learner opens are the ones the Hub serves, each
+checked against the Hub's hash. What this module adds:
 
-- only the files the model needs (no `original/` Meta weights, no `pytorch_model.bin` duplicates);
-- a check that the folder is complete before anyone loads it (`verify_checkpoint`), because
-  huggingface_hub happily returns a folder left half-done by an earlier failed try;
+- which folder `--model` means: a path (relative to the current folder) or a Hub id, and a clear line when
+  it is neither;
+- a check that the folder is complete before anyone loads it (`verify_checkpoint`);
 - one-line errors that name the model and say what to do, instead of huggingface_hub's tracebacks.
 """
 
@@ -15,40 +16,24 @@ import re
 from pathlib import Path
 
 import huggingface_hub
-from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub import constants
 from huggingface_hub.utils import (
     GatedRepoError,
     HfHubHTTPError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import tqdm as HubProgressBar
 
-from .errors import CheckpointError, HubError
+from .download import PARTIAL_DIR, DownloadLimits, is_transport_error
+from .errors import CheckpointError, HubError, Qwen3Error
+from .snapshot import RECORD, check_against_record, read_record, sync_folder
 from .weights import INDEX_FILE, DamagedFile, checkpoint_files, read_raw_header
 
 log = logging.getLogger(__name__)
 
 
-# Everything the model, tokenizer and chat template read, plus the licence and model card that travel with the
-# weights. Qwen repos also ship things we never read (Meta-format `original/`, onnx/, gguf, pytorch_model.bin);
-# patterns are fnmatch-style, where `*` also matches `/`, so subfolders are excluded explicitly.
-ALLOW_PATTERNS = [
-    "*.json",
-    "*.safetensors",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "LICENSE",
-    "README.md",
-]
-IGNORE_PATTERNS = ["*/*"]
-
-
 # "org/name" with the characters the Hub allows.
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
 REPAIR_HINT = "re-run the download to fetch it again (or delete the folder and download it afresh)"
 
 # Errors on our side of the disk: worth one clear line, unlike a bug that raises OSError.
@@ -63,36 +48,50 @@ def resolve_checkpoint(
     local_files_only: bool = False,
     endpoint: str | None = None,
     progress: bool = True,
+    verify: bool = False,
+    limits: DownloadLimits | None = None,
 ) -> Path:
     """Return a verified checkpoint folder for `model`: an existing local folder, or a Hub id ("org/name").
 
     A Hub id is downloaded into `weights_dir/<name>`; files already there and up to date are not fetched
     again. `local_files_only` (or HF_HUB_OFFLINE in the environment) never touches the network.
-    `endpoint` is the Hub's URL (default: huggingface.co, or HF_ENDPOINT).
+    `endpoint` is the Hub's URL (default: huggingface.co, or HF_ENDPOINT). `verify` hashes every file again
+    and compares it with the Hub's list (a folder we downloaded is checked against the commit it came from;
+    offline, against the hashes recorded then). `limits` bounds time and size (see DownloadLimits).
     """
-    local = Path(model).expanduser()
-    if local.is_dir():
-        return verify_checkpoint(local)
-    if _looks_like_path(model) or not HUB_ID.fullmatch(model):
-        raise CheckpointError(
-            f"no checkpoint folder at {model}: pass an existing folder, or a Hub id such as Qwen/Qwen3-0.6B"
-        )
-    folder = Path(weights_dir).expanduser() / model.split("/")[1]
+    limits = limits or DownloadLimits()
+    local = _local_folder(model, weights_dir)
+    if local is not None:
+        if revision is not None:
+            raise CheckpointError(f"--revision {revision} needs a Hub id, but {model} is a local folder: drop one")
+        if not verify:
+            return verify_checkpoint(local, hint=_hint_for(local))
+        source = read_record(local)
+        model, revision, folder = source.get("repo_id"), source.get("commit"), local
+        if not (isinstance(model, str) and HUB_ID.fullmatch(model) and isinstance(revision, str)):
+            raise CheckpointError(
+                f"--verify: {local} has no record of the Hub repo it came from ({RECORD}); "
+                "pass its Hub id (--model org/name) to check it against the Hub"
+            )
+    else:
+        folder = Path(weights_dir).expanduser() / model.split("/")[1]
     if local_files_only:
-        return _use_downloaded(model, folder, "run without --local-files-only")
+        return _use_downloaded(model, folder, "run without --local-files-only", verify)
     if huggingface_hub.is_offline_mode():
-        return _use_downloaded(model, folder, "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set: unset it")
-    return _download(model, folder, revision, endpoint, progress)
+        return _use_downloaded(model, folder, "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set: unset it", verify)
+    return _download(model, folder, revision, endpoint, progress, verify, limits)
 
 
 def verify_checkpoint(folder, *, hint: str = REPAIR_HINT) -> Path:
     """Check that `folder` holds config.json and every weight file it needs, whole; return it as a Path.
 
-    Cheap on purpose (it reads only file headers): whether the tensors fit the config is the loader's job.
-    `hint` ends each error message with what the user should do.
+    Cheap on purpose (it reads only file headers): whether the tensors fit the config is the loader's job,
+    whether the bytes are the Hub's is the download's. `hint` ends each error message with what to do.
     """
     folder = Path(folder)
     if not (folder / "config.json").is_file():
+        if not (folder / RECORD).is_file():  # not a download of ours: most likely the wrong folder
+            raise CheckpointError(_not_a_checkpoint(folder))
         raise CheckpointError(f"{folder / 'config.json'} is missing; {hint}")
     for file in checkpoint_files(folder):
         try:
@@ -103,68 +102,92 @@ def verify_checkpoint(folder, *, hint: str = REPAIR_HINT) -> Path:
     return folder
 
 
+def _not_a_checkpoint(folder: Path) -> str:
+    inside = sorted(p.parent.name for p in folder.glob("*/config.json"))
+    guess = f"; did you mean {', '.join(str(folder / name) for name in inside[:3])}?" if inside else ""
+    return (
+        f"{folder} is not a checkpoint folder: it has no config.json; pass the folder that holds config.json and "
+        f"the *.safetensors files, or a Hub id such as Qwen/Qwen3-0.6B{guess}"
+    )
+
+
+def _local_folder(model: str, weights_dir) -> Path | None:
+    """The folder `model` names on disk, or None when it is a Hub id.
+
+    A relative path starts in the current folder, as everywhere; "weights/<name>" (the download folder's
+    own name first) is also looked up in `weights_dir`, and is never sent to the Hub as an org called "weights".
+    """
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    weights = Path(weights_dir).expanduser()
+    in_weights = len(local.parts) == 2 and local.parts[0] == weights.name
+    if in_weights and (weights / local.parts[1]).is_dir():
+        return weights / local.parts[1]
+    if in_weights:
+        raise CheckpointError(f"no checkpoint folder at {model} (looked for {local.absolute()}){_what_to_do(local)}")
+    if _looks_like_path(model) or not HUB_ID.fullmatch(model):
+        what = "it is a file, not a folder" if local.exists() else f"looked for {local.absolute()}"
+        raise CheckpointError(
+            f"no checkpoint folder at {model} ({what}): pass an existing folder, or a Hub id such as Qwen/Qwen3-0.6B"
+        )
+    return None
+
+
+def _what_to_do(local: Path) -> str:
+    """For a missing "weights/<name>": the names that are there, or where a relative path starts."""
+    if local.parent.is_dir():
+        there = sorted(p.name for p in local.parent.iterdir() if (p / "config.json").is_file())[:5]
+        return f": check the name ({local.parent}/ holds {', '.join(there) or 'no checkpoint'})"
+    return (
+        f": a relative path starts in the current folder; run from the folder that holds {local.parent}/, or pass "
+        "the full path"
+    )
+
+
 def _looks_like_path(model: str) -> bool:
     """A Hub id is exactly "org/name"; anything else the user typed is meant as a place on disk."""
     return model.startswith((".", "/", "~", "\\")) or model.count("/") > 1 or Path(model).expanduser().exists()
 
 
-def _use_downloaded(repo_id: str, folder: Path, go_online: str) -> Path:
+def _hint_for(folder: Path) -> str:
+    if (folder / RECORD).is_file():
+        return REPAIR_HINT
+    return "replace it with a whole copy (or pass a Hub id to download the checkpoint)"
+
+
+def _use_downloaded(repo_id: str, folder: Path, go_online: str, verify: bool) -> Path:
     """The offline path: the folder an earlier download left, if it is whole. `go_online` says how to undo offline."""
     if not folder.is_dir() or not any(folder.iterdir()):
         raise HubError(f"{repo_id} is not in {folder}; {go_online} to download it")
+    if verify:  # no Hub to ask: compare with the hashes recorded when the files were downloaded
+        check_against_record(folder, f"{go_online} to download it again")
     return verify_checkpoint(folder, hint=f"{go_online} to download it again")
 
 
-def _download(repo_id: str, folder: Path, revision: str | None, endpoint: str | None, progress: bool) -> Path:
+def _download(repo_id, folder: Path, revision, endpoint, progress, verify, limits) -> Path:
     """Bring `folder` up to date with the Hub, fetching only missing, outdated or damaged files."""
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     try:
-        commit = _resolve_commit(repo_id, revision, endpoint)
-        _discard_damaged_weights(folder)
-        snapshot_download(
-            repo_id,
-            revision=commit,
-            local_dir=folder,
-            allow_patterns=ALLOW_PATTERNS,
-            ignore_patterns=IGNORE_PATTERNS,
-            endpoint=endpoint,
-            tqdm_class=None if progress else _NoProgressBar,
-        )
+        sync_folder(repo_id, revision, folder, endpoint=endpoint, verify=verify, limits=limits, progress=progress)
+    except KeyboardInterrupt:
+        log.warning("interrupted: the download of %s stops; what arrived is kept in %s and the next run continues "
+                    "from there", repo_id, folder / PARTIAL_DIR)  # fmt: skip
+        raise
+    except Qwen3Error:
+        raise  # already one line: ours
     except Exception as error:
         message = _explain(error, repo_id, revision, folder, endpoint)
         if message is None:
             raise  # not a network, Hub or disk problem: a bug, keep the traceback
-        if _is_unreachable(error) and _is_complete(folder):
+        if is_unreachable(error) and _is_complete(folder):
             log.warning("%s; using the copy already in %s", message.split(";")[0], folder)
             return folder
         if Path(repo_id.split("/")[0]).is_dir():
-            # "weights/tiny-qwen3" is also a valid Hub id: the user probably meant a folder that is not there.
-            message = f"no folder {repo_id} here, so it was taken as a Hub id: {message}"
+            # "data/tiny-qwen3" is also a valid Hub id: the user probably meant a folder that is not there.
+            message = f"no folder {Path(repo_id).absolute()}, so {repo_id} was taken as a Hub id: {message}"
         raise HubError(message) from error
     return verify_checkpoint(folder)
-
-
-def _resolve_commit(repo_id: str, revision: str | None, endpoint: str | None) -> str:
-    """Ask the Hub which commit `revision` is, with a timeout.
-
-    snapshot_download would ask too, but with no timeout at all, so a network that drops packets hangs it
-    forever. Passing it the commit hash then skips that call (and pins every file to the same commit).
-    """
-    info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-    return info.sha or revision or "main"
-
-
-def _discard_damaged_weights(folder: Path) -> None:
-    """Delete truncated weight files and git-LFS pointers so the download fetches them again.
-
-    huggingface_hub trusts a local_dir file whose metadata names the current commit without looking at its
-    size, so a file cut short (a full disk, a killed copy) would otherwise stay broken forever.
-    """
-    for path in folder.glob("*.safetensors"):
-        try:
-            read_raw_header(path)
-        except DamagedFile:
-            log.warning("%s is damaged; downloading it again", path)
-            path.unlink()
 
 
 def _is_complete(folder: Path) -> bool:
@@ -197,7 +220,7 @@ def _explain(error: Exception, repo_id: str, revision: str | None, folder: Path,
                 f"the Hugging Face Hub refused to serve {repo_id} (HTTP {status}); "
                 "try again later, log in if it is private, or pass a local folder"
             )
-        if _is_transport_error(e):
+        if is_transport_error(e):
             hub = endpoint or constants.ENDPOINT
             return (
                 f"could not reach the Hugging Face Hub at {hub} to download {repo_id} ({_brief(e)}); "
@@ -211,20 +234,14 @@ def _explain(error: Exception, repo_id: str, revision: str | None, folder: Path,
     return None
 
 
-def _is_unreachable(error: Exception) -> bool:
-    return any(_is_transport_error(e) for e in _chain(error))
-
-
-def _is_transport_error(error: BaseException) -> bool:
-    """A connection that failed or timed out, whichever HTTP library this huggingface_hub uses.
-
-    huggingface_hub 2.x raises httpx2's errors, 1.x httpx's, 0.x requests'; they share no base class with
-    the builtins, so they are recognised by their library. HTTP status errors arrive as HfHubHTTPError.
-    """
-    if isinstance(error, HfHubHTTPError):
-        return False
-    library = type(error).__module__.split(".")[0]
-    return isinstance(error, (ConnectionError, TimeoutError)) or library in {"httpx", "httpx2", "requests", "urllib3"}
+def is_unreachable(error: Exception) -> bool:
+    """A failed connection somewhere in the chain, and no HTTP answer from the Hub above it."""
+    for e in _chain(error):
+        if isinstance(e, HfHubHTTPError):
+            return False  # the Hub answered (404, 401...): being offline is not the problem
+        if is_transport_error(e):
+            return True
+    return False
 
 
 def _chain(error: BaseException):
@@ -239,11 +256,3 @@ def _brief(error: BaseException) -> str:
     """The cause on one short line, for the end of a message."""
     text = " ".join(str(error).split()) or type(error).__name__
     return f"{type(error).__name__}: {text[:150]}"
-
-
-class _NoProgressBar(HubProgressBar):
-    """huggingface_hub's progress bar, always off (progress=False) without touching its global switch."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs["disable"] = True
-        super().__init__(*args, **kwargs)

@@ -15,6 +15,7 @@ from torch import nn
 
 from .config import Qwen3Config
 from .kv_cache import KVCache, attention_mask
+from .moe import SparseMoeBlock
 from .rope import apply_rope, rope_tables
 
 
@@ -106,7 +107,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        # Qwen3-MoE: most layers route each token to k of E small experts; the rest keep the dense MLP.
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_index) else MLP(config)
 
     def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_slots)

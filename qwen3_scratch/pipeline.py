@@ -19,7 +19,23 @@ import torch
 from .errors import GenerationError
 from .generate import generate_tokens
 from .hub import resolve_checkpoint
-from .sampling import load_generation_config, resolve_sampling_params
+from .inputs import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MODEL,
+    MAX_BYTES_PER_TOKEN,
+    canonical_dtype,
+    check_prompt,
+    count_tokens_upto,
+)
+from .sampling import (
+    NON_FINITE,
+    check_min_p,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+    load_generation_config,
+    resolve_sampling_params,
+)
 from .stats import (
     GenerationStats,
     bytes_per_decode_step,
@@ -31,12 +47,13 @@ from .stats import (
 from .tokenizer import StreamingDetokenizer, Tokenizer
 from .weights import load_model
 
-DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 CPU_COMPILE_REFUSAL = (
-    "--compile is for CUDA (it replays decode as one CUDA graph); on a CPU the eager decode already reads "
-    "prepacked weights near the memory bandwidth, and inductor's code was measured slower after minutes of "
-    "compiling (docs/performance.md); drop --compile"
+    "--compile is for CUDA (it replays decode as one CUDA graph); on a CPU inductor's code was measured "
+    "slower than the eager decode with prepacked weights, after minutes of compiling (docs/performance.md); "
+    "drop --compile"
 )
+__all__ = ["DEFAULT_MODEL", "DEFAULT_BATCH_SIZE", "GenerationRequest", "Pipeline"]
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit unsigned seed
 
 
 @dataclass
@@ -54,6 +71,19 @@ class GenerationRequest:
     compile: bool = False
     measure_bandwidth: bool = False
 
+    def __post_init__(self):
+        """Every value is checked here, before anything loads: errors name the CLI flag."""
+        ok = isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
+        if not ok or self.max_new_tokens < 1:
+            raise GenerationError(f"--max-new-tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        for value, check in ((self.temperature, check_temperature), (self.top_k, check_top_k),
+                             (self.top_p, check_top_p), (self.min_p, check_min_p)):  # fmt: skip
+            if value is not None:
+                check(value)
+        seed = self.seed
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+            raise GenerationError(f"--seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
+
 
 def pick_device(device: str = "auto") -> str:
     if device == "auto":
@@ -66,9 +96,11 @@ def pick_device(device: str = "auto") -> str:
 
 
 def pick_dtype(dtype: str, device: str) -> str:
-    """auto: bf16 on a GPU, and on a CPU with native bf16 (avx512_bf16 or AMX), where decode reads half
-    the bytes of fp32 and, with prepacked weights, runs measurably faster (docs/performance.md); fp32 on
-    other CPUs, where bf16 matmuls are emulated and slower than fp32 ones."""
+    """torch's name for `dtype` (aliases such as half, bf16 and fp32 accepted). auto: bf16 on a GPU, and on
+    a CPU with native bf16 (avx512_bf16 or AMX), where decode reads half the bytes of fp32 and, with
+    prepacked weights, runs measurably faster (docs/performance.md); fp32 on other CPUs, where bf16
+    matmuls are emulated and slower than fp32 ones."""
+    dtype = canonical_dtype(dtype)
     if dtype == "auto":
         return "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
     return dtype
@@ -93,8 +125,9 @@ class Pipeline:
 
     @classmethod
     def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto",
-             quantize=None):  # fmt: skip
-        folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only)
+             *, revision=None, verify=False, quantize=None):  # fmt: skip
+        folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
+                                    verify=verify)  # fmt: skip
         device = pick_device(device)
         tokenizer = Tokenizer.from_checkpoint(folder)
         weights = load_model(folder, device, pick_dtype(dtype, device), optimize=True, quantize=quantize)
@@ -111,16 +144,37 @@ class Pipeline:
             ids = [self.tokenizer.eos_token_id]
         return list(ids)
 
-    def prompt_ids(self, prompt: str, system: str | None = None, chat: bool = True, thinking: bool = True):
-        """Token ids for one prompt, wrapped in the checkpoint's chat template unless chat=False."""
+    def prompt_ids(self, prompt: str, system: str | None = None, chat: bool = True, thinking: bool = True,
+                   what: str = "the prompt"):  # fmt: skip
+        """Token ids for one prompt, wrapped in the checkpoint's chat template unless chat=False.
+
+        In chat mode the prompt and system message are text, even where they spell a control token;
+        with chat=False the prompt is the whole raw prompt, control tokens included, written by hand."""
+        self.check_fits(prompt, what)
+        if system is not None:
+            self.check_fits(system, "the system message")
         if not chat:
             return self.tokenizer.encode(prompt)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=thinking)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.chat_ids(messages, add_generation_prompt=True, enable_thinking=thinking)
+
+    def check_fits(self, text: str, what: str = "the prompt") -> None:
+        """Refuse a text that cannot fit the context, cheaply, before it is fully tokenized: first by
+        its length (MAX_BYTES_PER_TOKEN per token at most), then by tokenizing only about as much of
+        it as the context holds. (The exact count, template included, is checked when it runs.)"""
+        context = self.model.config.max_position_embeddings
+        if len(text) > context * MAX_BYTES_PER_TOKEN:
+            raise GenerationError(f"{what} is {len(text):,} characters, more than the model's context of {context} "
+                                  f"tokens can hold at {MAX_BYTES_PER_TOKEN} per token; shorten the prompt")  # fmt: skip
+        check_prompt(text, what)  # UTF-8 (no lone surrogates) and the reading limit, as the CLI's input
+        if len(text) >= context and (n := count_tokens_upto(self.tokenizer.encode, text, context)) >= context:
+            raise GenerationError(f"{what} is at least {n} tokens but the model's context is {context}; shorten the prompt")
 
     def stream_ids(self, prompts: list[list[int]], request: GenerationRequest) -> Iterator[list[int]]:
-        """Yield each step's new token per row (-1 for finished rows), timing the run into last_stats."""
+        """Yield each step's new token per row (-1 for finished rows), timing the run into last_stats.
+
+        Logits that turn NaN or inf raise GenerationError at that step, naming it (sample() marks the
+        row on the device; the .tolist() that streaming needs anyway is where we see the mark)."""
         if request.compile and self.device.type == "cpu":
             raise GenerationError(CPU_COMPILE_REFUSAL)
         params = resolve_sampling_params(
@@ -132,23 +186,30 @@ class Pipeline:
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         reset_peak_memory(self.device)
         start = time.perf_counter()
-        ttft, steps, generated = None, 0, 0
+        ttft, steps, generated, first = None, 0, 0, 0
         tokens = generate_tokens(
             self.model, prompts, request.max_new_tokens, params, self.eos_ids, generator,
             use_cache=request.use_cache, ignore_eos=request.ignore_eos, pad_id=pad_id, compile=request.compile,
         )  # fmt: skip
         for step_tokens in tokens:
             row_tokens = step_tokens.tolist()  # the host sync streaming needs
+            if NON_FINITE in row_tokens:
+                raise GenerationError(
+                    f"stopped at generated token {steps + 1} (batch row {row_tokens.index(NON_FINITE) + 1}): "
+                    f"the model's logits are NaN or inf ({self.model.lm_head.weight.dtype} overflowed, or the "
+                    "weights are damaged); try --dtype float32, or download the checkpoint again"
+                )  # fmt: skip
             if ttft is None:
                 ttft = time.perf_counter() - start
+                first = sum(t >= 0 for t in row_tokens)
             steps += 1
             generated += sum(t >= 0 for t in row_tokens)
             yield row_tokens
         synchronize(self.device)
         elapsed = time.perf_counter() - start
-        self._record(prompts, request, steps, generated, elapsed, ttft or elapsed)
+        self._record(prompts, request, steps, generated, generated - first, elapsed, ttft or elapsed)
 
-    def _record(self, prompts, request, steps, generated, elapsed, ttft):
+    def _record(self, prompts, request, steps, generated, decode_tokens, elapsed, ttft):
         width = max(len(p) for p in prompts)
         context = self.model.config.max_position_embeddings
         self.last_stop_reason = "context" if width + steps >= context else None
@@ -159,6 +220,7 @@ class Pipeline:
             elapsed_seconds=elapsed,
             ttft_seconds=ttft,
             decode_steps=max(steps - 1, 0),
+            decode_tokens=decode_tokens,
             batch_size=len(prompts),
             device=str(self.device),
             dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),
@@ -179,13 +241,28 @@ class Pipeline:
         if tail := detok.flush():
             yield tail
 
-    def generate(self, prompts: list[str], request: GenerationRequest | None = None, **template) -> list[str]:
-        """Complete several prompts as one batch; returns one text per prompt."""
+    def generate(self, prompts: list[str], request: GenerationRequest | None = None,
+                 batch_size: int = DEFAULT_BATCH_SIZE, **template) -> list[str]:  # fmt: skip
+        """Complete several prompts, batch_size at a time; returns one text per prompt."""
+        return [text for texts in self.generate_batches(prompts, request, batch_size, **template) for text in texts]
+
+    def generate_batches(self, prompts: list[str], request: GenerationRequest | None = None,
+                         batch_size: int = DEFAULT_BATCH_SIZE, **template) -> Iterator[list[str]]:  # fmt: skip
+        """Yield the texts of prompts[0:batch_size], then of the next batch_size, ... as each batch
+        ends; last_stats and last_stop_reason describe the batch just yielded.
+
+        Each batch is one left-padded generation with its own KV cache, so memory follows batch_size,
+        not len(prompts), and a prompt is tokenized only when its batch runs.
+        """
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise GenerationError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
         request = request or GenerationRequest()
-        batch = [self.prompt_ids(p, **template) for p in prompts]
-        outputs: list[list[int]] = [[] for _ in prompts]
-        for row_tokens in self.stream_ids(batch, request):
-            for row, token in enumerate(row_tokens):
-                if token >= 0:
-                    outputs[row].append(token)
-        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            batch = [self.prompt_ids(p, **template, what=f"prompt {start + i + 1}") for i, p in enumerate(chunk)]
+            outputs: list[list[int]] = [[] for _ in chunk]
+            for row_tokens in self.stream_ids(batch, request):
+                for row, token in enumerate(row_tokens):
+                    if token >= 0:
+                        outputs[row].append(token)
+            yield [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]

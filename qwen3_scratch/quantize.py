@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import CheckpointError
+from .fuse import in_moe_block
 from .model import Qwen3
 
 SCHEMES = ("int8",)
@@ -70,7 +71,7 @@ def quantize_model(model: Qwen3, scheme: str = "int8") -> Qwen3:
     dtype = model.model.embed_tokens.weight.dtype
     # names, not modules: holding every replaced module in a list would keep all the old matrices alive
     # until the loop ends (a second copy of the model); this way each is freed as soon as it is replaced
-    names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear and not in_moe_block(model, name)]
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         module = model.get_submodule(name)

@@ -29,6 +29,14 @@ from .errors import GenerationError
 # Counting "within 1e-6 of p" as reaching p makes the boundary follow the exact arithmetic.
 _TOP_P_SLACK = 1e-6
 
+# Below this, a temperature is greedy in all but name, and far enough below it logits / t overflow
+# float32 to inf (1e-300 is 0 in float32): ask for greedy as 0 instead.
+MIN_TEMPERATURE = 1e-4
+
+# The id `sample` gives a row whose logits are not finite (NaN, inf): not a token. Whoever reads the
+# tokens must stop the generation there (the pipeline raises GenerationError).
+NON_FINITE = -2
+
 
 def _check(ok: bool, label: str, rule: str, value) -> None:
     if not ok:
@@ -44,7 +52,8 @@ def _is_number(value) -> bool:
 
 
 def check_temperature(value, label: str = "--temperature") -> None:
-    _check(_is_number(value) and math.isfinite(value) and value >= 0, label, "a finite number >= 0", value)
+    ok = _is_number(value) and math.isfinite(value) and (value == 0 or value >= MIN_TEMPERATURE)
+    _check(ok, label, f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}", value)
 
 
 def check_top_k(value, label: str = "--top-k") -> None:
@@ -150,14 +159,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     on the host (a GPU sync every step) while the race is an elementwise op plus an argmax: no sync,
     and it compiles into a graph. Filtered tokens have p = 0 and can never win. (Under
     torch.compile(fullgraph=True) pass generator=None: dynamo cannot trace a Generator argument.)
+
+    A row whose logits (or probabilities) are not all finite gets NON_FINITE instead of a token: the
+    argmax of NaNs is a meaningless id (often 0, forever after). Marking the row here, on the device,
+    costs no host sync; the consumer, which reads every step's tokens anyway, stops on it.
     """
+    finite = torch.isfinite(logits).all(dim=-1)  # (B,)
     if params.greedy:
-        return logits.argmax(dim=-1)  # first index on ties: deterministic
+        return torch.where(finite, logits.argmax(dim=-1), NON_FINITE)  # first index on ties: deterministic
     probs = filter_logits(logits, params).softmax(dim=-1)  # (B, V) float32
+    finite &= torch.isfinite(probs).all(dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     # an exact 0 draw would turn 0 / 0 into NaN, which argmax ranks above every number
     noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return torch.where(finite, (probs / noise).argmax(dim=-1), NON_FINITE)
 
 
 def _read_json(path: Path) -> dict:

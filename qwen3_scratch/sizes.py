@@ -54,3 +54,56 @@ def parameter_count(size: str) -> int:
     per_layer = attention + 3 * C * F + 2 * C  # SwiGLU and two RMSNorms
     head = 0 if c["tie_word_embeddings"] else V * C
     return V * C + c["num_hidden_layers"] * per_layer + C + head
+
+
+# The mixture-of-experts models (model_type qwen3_moe): 4 kv heads instead of 8, untied embeddings, and in
+# every layer 128 expert SwiGLUs of width moe_intermediate_size, 8 of them used per token. Their
+# intermediate_size would only size a dense layer (mlp_only_layers), which neither model has.
+QWEN3_MOE_SIZES = {
+    "30B-A3B": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, intermediate_size=6144, moe_intermediate_size=768),
+    "235B-A22B": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, intermediate_size=12288, moe_intermediate_size=1536),
+}
+
+
+def moe_config_dict(size: str) -> dict:
+    """A Hub-layout config.json (as a dict) for one Qwen3-MoE size."""
+    if size not in QWEN3_MOE_SIZES:
+        raise ValueError(f"unknown Qwen3-MoE size {size!r}; choose one of {', '.join(QWEN3_MOE_SIZES)}")
+    return {
+        **config_dict("8B"),  # the dense keys (rope, dtype, ids), overwritten below
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        **QWEN3_MOE_SIZES[size],
+    }
+
+
+def moe_parameter_counts(config: dict) -> tuple[int, int]:
+    """(total, active per token) parameters of a qwen3_moe config.json dict.
+
+    Active counts what one token runs through: attention, the router and k of E experts in MoE layers,
+    the dense MLP elsewhere, both embedding matrices (the lookup touches one row; lm_head reads all).
+    """
+    C, V, D = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    H, K = config["num_attention_heads"], config["num_key_value_heads"]
+    E, k = config["num_experts"], config["num_experts_per_tok"]
+    step, dense_layers = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers", [])
+    attention = C * H * D + 2 * C * K * D + H * D * C + 2 * D + 2 * C  # q, k, v, o, q/k norms, two RMSNorms
+    expert = 3 * C * config["moe_intermediate_size"]
+    total = active = V * C * (1 if config["tie_word_embeddings"] else 2) + C  # embeddings, lm_head, final norm
+    for i in range(config["num_hidden_layers"]):
+        if i not in dense_layers and (i + 1) % step == 0:
+            total += attention + C * E + E * expert
+            active += attention + C * E + k * expert
+        else:
+            total += attention + 3 * C * config["intermediate_size"]
+            active += attention + 3 * C * config["intermediate_size"]
+    return total, active

@@ -1,8 +1,26 @@
 """Honest numbers about a generation: time to first token, decode speed, memory, bandwidth use.
 
-Decode is memory-bound: every new token reads every weight (and the KV cache) once, so the fastest
+Decode is memory-bound: every new token reads every weight it uses (all of a dense model; in a mixture
+of experts, only the chosen experts) and the KV cache once, so the fastest
 possible decode is  bandwidth / bytes-read-per-step  steps per second. `bandwidth_util` is the share
 of that limit a run reached.
+
+The stats line (`GenerationStats.line`), key by key, for one generation (one batch):
+  prompt_tokens             prompt tokens of every row, padding not counted
+  generated_tokens          tokens the rows produced, each row's EOS included, nothing after it
+  elapsed_seconds           from the call to the last token (tokenizing excluded)
+  tokens_per_second         generated_tokens / elapsed_seconds
+  ttft_seconds              time to the first token: the prefill and the first sample
+  decode_tokens_per_second  decode_tokens / (elapsed - ttft): tokens made after the first step by the
+                            rows still running. A finished row keeps riding along in the batch (its
+                            compute is spent) but makes no token, so it is not counted.
+  device, dtype             where the model ran, in which dtype
+  peak_memory_mb            CPU: the process's peak resident set size (ru_maxrss) since it started:
+                            Python, torch, the weights' pages, everything; a high-water mark that never
+                            falls, so a second run in one process reports at least the first's.
+                            CUDA: the most memory torch's allocator handed out on the device during this
+                            generation (weights, cache, activations; not its reserved-but-free cache).
+  bandwidth_util            decode steps/s x bytes a step reads / measured bandwidth ("n/a" unless asked)
 """
 
 import resource
@@ -12,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import Qwen3Config
+from .moe import SparseMoeBlock
 
 _BANDWIDTH_CACHE: dict[str, float] = {}
 
@@ -23,6 +42,7 @@ class GenerationStats:
     elapsed_seconds: float
     ttft_seconds: float
     decode_steps: int  # forward passes after the first token (each produces one token per row)
+    decode_tokens: int  # tokens those steps produced for rows that had not finished
     batch_size: int
     device: str
     dtype: str
@@ -40,8 +60,8 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        tokens = self.decode_steps * self.batch_size
-        return tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """Tokens of unfinished rows per second after the first step (finished rows make none)."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
     def bandwidth_util(self) -> float | None:
@@ -73,18 +93,35 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def bytes_per_decode_step(model, config: Qwen3Config, context_len: int, batch_size: int) -> int:
-    """What one decode step must read: every weight, plus the keys and values of the context.
+    """What one decode step must read: every weight it uses, plus the keys and values of the context.
+
+    In a mixture of experts that is only the experts the step's tokens chose (unread_expert_bytes).
 
     The embedding lookup reads one row, not the whole table; for untied models that table is
     not otherwise read, so it is left out.
     """
-    weights = weight_bytes(model)
+    weights = weight_bytes(model) - unread_expert_bytes(model, batch_size)
     # untied in the checkpoint, or given its own copy at load (prepacked or quantized lm_head)
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     element = model.model.embed_tokens.weight.element_size()  # the cache is in the activations' dtype
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context_len
     return weights + kv * batch_size * element
+
+
+def unread_expert_bytes(model, batch_size: int) -> int:
+    """Bytes of the experts a decode step of batch_size tokens does not read, summed over MoE layers.
+
+    One token reads k of E experts. B tokens choose independently, so they read E * (1 - (1 - k/E)^B)
+    distinct experts on average if routing were uniform (exactly k for B = 1; all E as B grows).
+    """
+    unread = 0.0
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            E, k = len(block.experts), block.top_k
+            expert = sum(p.numel() * p.element_size() for p in block.experts[0].parameters())
+            unread += expert * (E - E * (1 - (1 - k / E) ** batch_size))
+    return round(unread)
 
 
 def measure_bandwidth(device: str | torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -116,7 +153,8 @@ def reset_peak_memory(device) -> None:
 
 
 def peak_memory_bytes(device) -> int:
-    """GPU: the most memory torch had allocated; CPU: the process's peak resident set size."""
+    """CUDA: the most memory torch's allocator had handed out since reset_peak_memory (this run);
+    CPU: the process's peak resident set size since it started (Linux cannot reset it)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

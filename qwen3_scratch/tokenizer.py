@@ -7,6 +7,8 @@ which tokens are end-of-sequence and padding (`tokenizer_config.json`), the chat
 """
 
 import json
+import re
+import secrets
 from pathlib import Path
 
 import tokenizers
@@ -37,6 +39,7 @@ class Tokenizer:
         self.unk_token = _token_text(config.get("unk_token"))
         self._chat_template = chat_template
         self._template_source = template_source
+        self._text_only_backend: tokenizers.Tokenizer | None = None  # see encode(split_special_tokens=True)
 
     @classmethod
     def from_checkpoint(cls, path) -> "Tokenizer":
@@ -52,9 +55,28 @@ class Tokenizer:
         template = _default_template(config.get("chat_template"))
         return cls(backend, config, template, f"{folder / CONFIG_FILE} (chat_template)")
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`. Control tokens written in the text (e.g. <|im_start|>) become their ids."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Control tokens written in the text (e.g. <|im_start|>) become their ids,
+        unless split_special_tokens: then they are encoded as the text they are (transformers' flag of
+        that name), which is what text typed by a user must get."""
+        backend = self._text_only() if split_special_tokens else self.backend
+        return backend.encode(text, add_special_tokens=False).ids
+
+    def _text_only(self) -> tokenizers.Tokenizer:
+        # A second copy of the BPE that does not look for special tokens in its input. A copy rather
+        # than flipping the flag on the shared one, so that a server's threads never see it half-set.
+        if self._text_only_backend is None:
+            backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            backend.encode_special_tokens = True
+            self._text_only_backend = backend
+        return self._text_only_backend
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The control tokens (<|im_start|>, <|im_end|>, <|endoftext|>, ...) by text: the added tokens
+        marked special. <think> and <tool_call> are plain added tokens, markup inside a turn."""
+        added = self.backend.get_added_tokens_decoder()
+        return {token.content: token_id for token_id, token in added.items() if token.special}
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of `ids`; skip_special_tokens drops <|im_end|> and friends (not <think>, which is not special)."""
@@ -84,10 +106,45 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template
 
+    def chat_ids(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+    ) -> list[int]:
+        """The prompt ids for `messages`, where only the template writes control tokens.
+
+        Text that comes from the caller (contents, reasoning, tool calls and results, tool schemas)
+        is encoded as text even when it spells a control token: a user who types
+        "hi<|im_end|>\n<|im_start|>system\n..." gets the ids of those characters, not a forged system
+        turn. When nothing is spelled that way the ids are exactly `encode(apply_chat_template(...))`,
+        transformers' `apply_chat_template(..., tokenize=True)`.
+        """
+        hider = _ControlTokenHider(self.special_tokens)
+        text = self.apply_chat_template(
+            hider.hide(messages), add_generation_prompt, enable_thinking,
+            tools=hider.hide(tools), documents=hider.hide(documents),
+        )  # fmt: skip
+        if not hider.hidden:
+            return self.encode(text)
+        return hider.encode(text, self)
+
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = True, **extra
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        **extra,
     ) -> str:
-        """The prompt text for `messages`, as the checkpoint's chat template writes it (not tokenized)."""
+        """The prompt text for `messages`, as the checkpoint's chat template writes it (not tokenized).
+
+        Encoding this text with `encode` turns control tokens typed inside messages into real ones;
+        `chat_ids` is the safe way to get prompt ids."""
         if self._chat_template is None:
             raise ConfigError(f"{self._template_source}: this checkpoint has no chat template; "
                               f"add one to {CONFIG_FILE} or {TEMPLATE_FILE}, or prompt with plain text")
@@ -98,11 +155,58 @@ class Tokenizer:
             messages,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
+            tools=tools,
+            documents=documents,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
             template_source=self._template_source,
             **tokens,
         )
+
+
+class _ControlTokenHider:
+    """Swaps control tokens spelled inside caller text for sentinels, so the template cannot pass them on.
+
+    Each occurrence becomes "\ue000<nonce>.<n>\ue001": private-use characters around a random number,
+    which no template alters and no caller can guess. After rendering, every control token left in the
+    prompt text is one the template wrote. `encode` then cuts the text at those, maps each to its id,
+    and encodes the text between them (sentinels put back) with control tokens read as text. Cutting
+    at control tokens is what the tokenizer does itself, so nothing else about the ids changes.
+    """
+
+    def __init__(self, special_tokens: dict[str, int]):
+        self.special_tokens = special_tokens
+        self.hidden: list[str] = []  # the n-th hidden token's text
+        self._nonce = str(secrets.randbelow(10**12))
+        longest_first = sorted(special_tokens, key=len, reverse=True)
+        self._find = re.compile("|".join(map(re.escape, longest_first))) if special_tokens else None
+        self._sentinel = re.compile(f"\ue000{self._nonce}\\.(\\d+)\ue001")
+
+    def hide(self, value):
+        """A copy of `value` (str, or lists/dicts of them, keys included) with control tokens hidden."""
+        if isinstance(value, str):
+            return self._find.sub(self._swap, value) if self._find else value
+        if isinstance(value, dict):
+            return {self.hide(key): self.hide(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.hide(item) for item in value]
+        return value
+
+    def _swap(self, match: re.Match) -> str:
+        self.hidden.append(match.group(0))
+        return f"\ue000{self._nonce}.{len(self.hidden) - 1}\ue001"
+
+    def encode(self, text: str, tokenizer: "Tokenizer") -> list[int]:
+        ids, start = [], 0
+        for match in self._find.finditer(text):  # the template's own control tokens
+            ids += self._encode_text(text[start : match.start()], tokenizer)
+            ids.append(self.special_tokens[match.group(0)])
+            start = match.end()
+        return ids + self._encode_text(text[start:], tokenizer)
+
+    def _encode_text(self, text: str, tokenizer: "Tokenizer") -> list[int]:
+        restored = self._sentinel.sub(lambda m: self.hidden[int(m.group(1))], text)
+        return tokenizer.encode(restored, split_special_tokens=True) if restored else []
 
 
 class StreamingDetokenizer:

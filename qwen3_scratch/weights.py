@@ -152,6 +152,60 @@ def read_checkpoint_index(folder: Path) -> dict[str, TensorEntry]:
     return entries
 
 
+def split_fused_experts(entries: dict[str, TensorEntry], config: Qwen3Config) -> dict[str, TensorEntry]:
+    """Checkpoint tensors -> model parameters, for MoE checkpoints written in transformers 5's fused layout.
+
+    The Hub's Qwen3-MoE repos store each expert's weights under its own keys, which are our parameter
+    names. transformers 5 holds (and, with save_pretrained(save_original_format=False), writes) each
+    layer's experts as two stacked tensors instead:
+        mlp.experts.gate_up_proj (E, 2I, C): expert e's gate_proj rows then its up_proj rows
+        mlp.experts.down_proj    (E, C, I)
+    Each expert's slice of those is a contiguous run of bytes, so it becomes an entry of its own that
+    points into the same file: loading stays a per-parameter view of the mapping, with no copy.
+    The fused tensors' shape and dtype are checked here, so errors name the checkpoint's own keys.
+    """
+    fused = [name for name in entries if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
+    if not fused:
+        return entries
+    entries = dict(entries)
+    E, I, C = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    for name in fused:
+        entry = entries.pop(name)
+        prefix, _, kind = name.rpartition(".")  # "model.layers.N.mlp.experts", "gate_up_proj" | "down_proj"
+        expected = (E, 2 * I, C) if kind == "gate_up_proj" else (E, C, I)
+        if entry.shape != expected or entry.dtype != config.dtype:
+            raise CheckpointError(
+                f"{entry.file}: tensor {name} is {entry.dtype} {list(entry.shape)} but config.json implies "
+                f"{config.dtype} {list(expected)}; the config and the weights are from different models"
+            )
+        parts = ["gate_proj", "up_proj"] if kind == "gate_up_proj" else ["down_proj"]
+        part_shape = (I, C) if kind == "gate_up_proj" else (C, I)
+        part_bytes = I * C * entry.dtype.itemsize
+        for e in range(E):
+            for j, part in enumerate(parts):
+                key = f"{prefix}.{e}.{part}.weight"
+                if key in entries:
+                    raise CheckpointError(f"{entry.file}: {key} is stored both on its own and inside {name}")
+                start = entry.start + (e * len(parts) + j) * part_bytes
+                entries[key] = TensorEntry(entry.file, entry.dtype, part_shape, start, part_bytes)
+    return entries
+
+
+def _check_expert_count(entries: dict[str, TensorEntry], config: Qwen3Config) -> None:
+    """A checkpoint with more or fewer experts than config.json says, named as such."""
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}.mlp.experts."
+        stored = {name[len(prefix) :].split(".")[0] for name in entries if name.startswith(prefix)}
+        expected = config.num_experts if config.is_moe_layer(i) else 0
+        if stored and len(stored) != expected:
+            file = next(entries[name].file for name in entries if name.startswith(prefix))
+            raise CheckpointError(
+                f"{file}: layer {i} has {len(stored)} experts but config.json implies {expected} "
+                "(num_experts, decoder_sparse_step, mlp_only_layers); the config and the weights are from "
+                "different models"
+            )
+
+
 def _check_matches_model(entries: dict[str, TensorEntry], model: Qwen3, config: Qwen3Config) -> None:
     """Every parameter present once with the config's shape and dtype; nothing unexpected."""
     expected = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
@@ -210,9 +264,10 @@ def load_model(path, device="cpu", dtype=torch.float32, optimize=False, quantize
             raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
     config = Qwen3Config.from_json(folder / "config.json")
-    entries = read_checkpoint_index(folder)
+    entries = split_fused_experts(read_checkpoint_index(folder), config)
     with torch.device("meta"):
         model = Qwen3(config)
+    _check_expert_count(entries, config)
     _check_matches_model(entries, model, config)
     tied_head = config.tie_word_embeddings
     params = {name: entries[name] for name, _ in model.named_parameters()}

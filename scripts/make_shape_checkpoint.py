@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: `python scripts/make_shape_checkpoint.py`
     sys.path.insert(0, str(ROOT))
 
-from qwen3_scratch.config import DTYPES  # noqa: E402
+from qwen3_scratch.config import DTYPES, Qwen3Config  # noqa: E402
 from qwen3_scratch.errors import CheckpointError  # noqa: E402
-from qwen3_scratch.sizes import config_dict  # noqa: E402
+from qwen3_scratch.sizes import QWEN3_MOE_SIZES, config_dict, moe_config_dict  # noqa: E402
 from qwen3_scratch.weights import read_checkpoint_index  # noqa: E402
 
 GB = 10**9  # the Hub's "4GB" shards are decimal gigabytes
@@ -44,7 +44,8 @@ def shape_config(size: str = "0.6B", dtype: str = "bfloat16", overrides: dict | 
     """The config.json this script writes for `size`; `overrides` shrink it for tests (same code path)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
-    return {**config_dict(size), **(overrides or {}), "torch_dtype": dtype}
+    base = moe_config_dict(size) if size in QWEN3_MOE_SIZES else config_dict(size)
+    return {**base, **(overrides or {}), "torch_dtype": dtype}
 
 
 def generation_config(config: dict) -> dict:
@@ -68,7 +69,7 @@ def tensor_shapes(config: dict, tied_head_copy: bool = False) -> dict[str, tuple
     embeddings are untied (8B and up), or with tied_head_copy: the Hub's tied Qwen3-0.6B file stores
     it anyway, as a copy of the embedding (311 tensors, 1,503,300,328 bytes instead of ~1.19 GB).
     """
-    C, Fi, V, D = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["head_dim"]
+    C, V, D = config["hidden_size"], config["vocab_size"], config["head_dim"]
     H, K = config["num_attention_heads"], config["num_key_value_heads"]
     shapes = {"model.embed_tokens.weight": (V, C)}
     for i in range(config["num_hidden_layers"]):
@@ -81,12 +82,24 @@ def tensor_shapes(config: dict, tied_head_copy: bool = False) -> dict[str, tuple
         shapes[p + "self_attn.q_norm.weight"] = (D,)
         shapes[p + "self_attn.k_norm.weight"] = (D,)
         shapes[p + "post_attention_layernorm.weight"] = (C,)
-        shapes[p + "mlp.gate_proj.weight"] = (Fi, C)
-        shapes[p + "mlp.up_proj.weight"] = (Fi, C)
-        shapes[p + "mlp.down_proj.weight"] = (C, Fi)
+        shapes.update(mlp_shapes(config, i))
     shapes["model.norm.weight"] = (C,)
     if tied_head_copy or not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (V, C)
+    return shapes
+
+
+def mlp_shapes(config: dict, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer i's MLP tensors: the dense SwiGLU, or (qwen3_moe) the router and every expert's SwiGLU."""
+    C, p = config["hidden_size"], f"model.layers.{i}.mlp."
+    moe = config.get("model_type") == "qwen3_moe" and Qwen3Config.from_dict(config).is_moe_layer(i)
+    Fi = config["moe_intermediate_size"] if moe else config["intermediate_size"]
+    swiglu = {"gate_proj.weight": (Fi, C), "up_proj.weight": (Fi, C), "down_proj.weight": (C, Fi)}
+    if not moe:
+        return {p + name: shape for name, shape in swiglu.items()}
+    shapes = {p + "gate.weight": (config["num_experts"], C)}  # the router
+    for e in range(config["num_experts"]):
+        shapes.update({f"{p}experts.{e}.{name}": shape for name, shape in swiglu.items()})
     return shapes
 
 
@@ -216,7 +229,7 @@ def make_shape_checkpoint(
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Write a random Qwen3 checkpoint with the exact shapes of one size.")
-    parser.add_argument("--size", default="0.6B", help="0.6B, 1.7B, 4B, 8B, 14B or 32B (default 0.6B)")
+    parser.add_argument("--size", default="0.6B", help="0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B or 235B-A22B (default 0.6B)")
     parser.add_argument("--out", default=None, help="folder to write (default weights/qwen3-<size>-shapes)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="stored dtype (default bfloat16)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights")

@@ -1,6 +1,7 @@
 """Write a tiny random Qwen3 checkpoint, laid out exactly like a Hub download.
 
     python scripts/make_tiny_checkpoint.py --out weights/tiny-qwen3
+    python scripts/make_tiny_checkpoint.py --moe      # weights/tiny-qwen3-moe: a Qwen3-MoE (8 experts, 2 per token)
 
 It needs only torch, safetensors, tokenizers and this package (not transformers), so a new user can try every
 command of qwen3-scratch in seconds, with no download. The weights are random, so the text is
@@ -25,6 +26,8 @@ CHAT_TEMPLATE_FILE = HERE / "qwen3_chat_template.jinja"
 # `skip_special_tokens`); the think tags are plain added tokens, so decoding keeps them.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 THINK_TOKENS = ("<think>", "</think>")
+# Qwen3's tool-call markup: plain added tokens too, appended after the think tags so their ids stay put.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 # Qwen2/Qwen3's pre-tokenizer split: contractions, words with an optional leading symbol, single
 # digits, runs of punctuation, newlines, spaces. transformers' Qwen2Tokenizer rebuilds its backend
@@ -87,6 +90,10 @@ SHAPES = dict(
     head_dim=64,
     max_position_embeddings=2048,
 )
+# --moe: every layer routes each token to 2 of 8 experts of width 96, with 30B-A3B's settings otherwise
+# (renormalised top-k, no dense layers, untied lm_head).
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True,
+           decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
 SHARD_BYTES = 500_000  # the tiny model is ~1.3 MB: a few shards plus model.safetensors.index.json
 
 
@@ -112,14 +119,14 @@ def train_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     )
     tokenizer.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS + TOOL_TOKENS])
     return tokenizer
 
 
 def tokenizer_config(tokenizer: Tokenizer, chat_template: str) -> dict:
     """The `tokenizer_config.json` of a Qwen3 repo, with this tokenizer's ids."""
     added = {}
-    for token in SPECIAL_TOKENS + THINK_TOKENS:
+    for token in SPECIAL_TOKENS + THINK_TOKENS + TOOL_TOKENS:
         added[str(tokenizer.token_to_id(token))] = {
             "content": token,
             "lstrip": False,
@@ -175,8 +182,14 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def make_tiny_checkpoint(out_dir="weights/tiny-qwen3", seed: int = 0) -> Path:
-    """Write a complete tiny random Qwen3 checkpoint into `out_dir` and return its path."""
+def moe_model_config(config: dict) -> dict:
+    """The dense tiny config.json turned into a Qwen3-MoE one, as Qwen3-30B-A3B's is laid out."""
+    return {**config, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **MOE,
+            "tie_word_embeddings": False, "output_router_logits": False, "router_aux_loss_coef": 0.001}  # fmt: skip
+
+
+def make_tiny_checkpoint(out_dir="weights/tiny-qwen3", seed: int = 0, moe: bool = False) -> Path:
+    """Write a complete tiny random Qwen3 (moe: Qwen3-MoE) checkpoint into `out_dir` and return its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tiny_tokenizer()
@@ -185,6 +198,8 @@ def make_tiny_checkpoint(out_dir="weights/tiny-qwen3", seed: int = 0) -> Path:
     # Round the embedding rows up to a multiple of 64, as Qwen3 does (151669 tokens, 151936 rows).
     vocab_size = -(-tokenizer.get_vocab_size(with_added_tokens=True) // 64) * 64
     config = model_config(vocab_size, endoftext_id, im_end_id)
+    if moe:
+        config = moe_model_config(config)
 
     tokenizer.save(str(out / "tokenizer.json"))
     chat_template = CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
@@ -199,11 +214,13 @@ def make_tiny_checkpoint(out_dir="weights/tiny-qwen3", seed: int = 0) -> Path:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Write a tiny random Qwen3 checkpoint (no download).")
-    parser.add_argument("--out", default="weights/tiny-qwen3", help="folder to write (created if missing)")
+    parser.add_argument("--out", default=None, help="folder to write (default weights/tiny-qwen3[-moe])")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights")
+    parser.add_argument("--moe", action="store_true", help="a mixture-of-experts Qwen3-MoE (8 experts, 2 per token)")
     args = parser.parse_args(argv)
-    out = make_tiny_checkpoint(args.out, seed=args.seed)
-    print(f"wrote a tiny random Qwen3 checkpoint to {out}")
+    out = args.out or ("weights/tiny-qwen3-moe" if args.moe else "weights/tiny-qwen3")
+    out = make_tiny_checkpoint(out, seed=args.seed, moe=args.moe)
+    print(f"wrote a tiny random Qwen3{'-MoE' if args.moe else ''} checkpoint to {out}")
 
 
 if __name__ == "__main__":

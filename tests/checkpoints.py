@@ -106,3 +106,42 @@ def assert_logits_match(ours, theirs, what):
     scale = theirs.abs().max().item()
     worst = (ours.float() - theirs.float()).abs().max().item()
     assert worst <= 1e-5 * scale, f"{what}: max |Δ| = {worst:.3g}, allowed 1e-5 x max|logit| = {1e-5 * scale:.3g}"
+
+
+# Qwen3-MoE, as small: 8 experts of width 32, 2 per token, on the dense TINY's attention shapes.
+TINY_MOE = dict(TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False)
+
+
+def build_moe_checkpoint(path, *, dtype=torch.float32, max_shard_size=None, original_format=True, seed=0, **overrides):
+    """Write a random Qwen3-MoE with `transformers` and return its folder (Hub-style config.json).
+
+    original_format: True writes the Hub's per-expert keys (`mlp.experts.3.up_proj.weight`), which is
+        what save_pretrained writes by default; False writes transformers 5's fused, stacked layout
+        (`mlp.experts.gate_up_proj` (E, 2I, C), `mlp.experts.down_proj` (E, C, I)).
+    """
+    path = Path(path)
+    kwargs = {**TINY_MOE, **overrides}
+    rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    config = transformers.Qwen3MoeConfig(rope_parameters=rope_parameters, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # not all ones, as in build_checkpoint
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                # transformers' init (std 0.02) makes every router probability ~1/E, so the top-k would
+                # be decided by rounding noise; decisive routing is what a trained model has.
+                param.normal_(0.0, 0.5)
+    model = model.to(dtype)
+    shard_args = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, save_original_format=original_format, **shard_args)
+    if max_shard_size is None:
+        _merge_into_single_file(path)
+    _rewrite_config_hub_style(path / "config.json")
+    return path
+
+
+def load_moe_reference(path, dtype=torch.float32):
+    """The MoE checkpoint through transformers, with its default experts implementation."""
+    return transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype).eval()

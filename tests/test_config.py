@@ -76,7 +76,7 @@ def test_from_json_reads_a_folder(tmp_path):
     "change, message",
     [
         ({"model_type": "llama"}, "model_type"),
-        ({"model_type": "qwen3_moe"}, "model_type"),
+        ({"model_type": "qwen3_moe"}, "num_experts"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "yarn"}}, "factor"),

