@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="let Qwen3 think before answering, in chat mode (default: on)")  # fmt: skip
     sampling_flags(p)
+    p.add_argument("--quantize", choices=["int8"], help="int8 weights with per-row scales, computed at load (CPU and CUDA; default: off)")
     p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="decode with the KV cache; --no-kv-cache recomputes everything each step (default: on)")  # fmt: skip
     p.add_argument("--compile", action="store_true",
@@ -131,7 +132,7 @@ def run(args) -> None:
     from .pipeline import Pipeline
 
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
-                         revision=args.revision, verify=args.verify)  # fmt: skip
+                         revision=args.revision, verify=args.verify, quantize=args.quantize)  # fmt: skip
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
     if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls
         print_reply(pipe, prompts[0], request, args, tools)

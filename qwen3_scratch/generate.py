@@ -114,7 +114,7 @@ class CachedLoop:
 
     def __init__(self, model: Qwen3, batch: PaddedBatch, n_new: int, compile: bool = False):
         B, T = batch.ids.shape
-        weight = model.lm_head.weight
+        weight = model.model.embed_tokens.weight  # the activations' dtype, also when lm_head is int8
         self.model, self.batch = model, batch
         if compile and model.config.num_experts:  # which experts run depends on the data: no fixed graph
             raise GenerationError("--compile is not implemented for MoE (qwen3_moe) models; run without it")
@@ -195,7 +195,7 @@ def static_cache(model: Qwen3, batch_size: int, min_len: int) -> KVCache:
     cache = caches.get(batch_size)
     if cache is None or cache.max_len < min_len:
         max_len = min(-(-min_len // CACHE_BLOCK) * CACHE_BLOCK, model.config.max_position_embeddings)
-        weight = model.lm_head.weight
+        weight = model.model.embed_tokens.weight
         cache = caches[batch_size] = KVCache(model.config, batch_size, max_len, weight.device, weight.dtype)
     cache.key_valid.fill_(True)  # prefill marks this generation's padding
     return cache

@@ -56,11 +56,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
+    def project_qkv(self, x):
+        """q, k, v from x (B, T, C). After fuse.py's load-time transform, one matmul (qkv_proj) reads all
+        three matrices: one weight stream instead of three, which is what batch-1 decode is bound by."""
+        if hasattr(self, "qkv_proj"):
+            return self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, cache_slots=None):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))  # (B, T, H, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, K, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
+        q, k, v = self.project_qkv(x)  # (B, T, H*D), (B, T, K*D), (B, T, K*D)
+        q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim))  # (B, T, H, D)
+        k = self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, K, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # norm first, then rotate
         if cache is not None:
@@ -88,7 +96,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(Fi, C, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, F) -> (B, T, C)
+        if hasattr(self, "gate_up_proj"):  # fused at load time (fuse.py): one matmul for both
+            gate, up = self.gate_up_proj(x).split(self.gate_up_proj.split_sizes, dim=-1)  # (B, T, F) each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)  # (B, T, F) -> (B, T, C)
 
 
 class DecoderLayer(nn.Module):

@@ -49,6 +49,11 @@ from .stats import (
 from .tokenizer import StreamingDetokenizer, Tokenizer
 from .weights import load_model
 
+CPU_COMPILE_REFUSAL = (
+    "--compile is for CUDA (it replays decode as one CUDA graph); on a CPU inductor's code was measured "
+    "slower than the eager decode with prepacked weights, after minutes of compiling (docs/performance.md); "
+    "drop --compile"
+)
 __all__ = ["DEFAULT_MODEL", "DEFAULT_BATCH_SIZE", "GenerationRequest", "Pipeline"]
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit unsigned seed
 
@@ -93,13 +98,24 @@ def pick_device(device: str = "auto") -> str:
 
 
 def pick_dtype(dtype: str, device: str) -> str:
-    """torch's name for `dtype` (aliases such as half, bf16 and fp32 accepted). auto: bf16 on a GPU (its fast path, and the dtype Qwen3 ships in); fp32 on a CPU, where it is
-    exact (it matches transformers' fp32 logits) and bf16 gains little: batch-1 bf16 matmuls are
-    compute-bound on most CPUs (even with AMX we measured only 1.09x faster decode; docs/performance.md)."""
+    """torch's name for `dtype` (aliases such as half, bf16 and fp32 accepted). auto: bf16 on a GPU, and on
+    a CPU with native bf16 (avx512_bf16 or AMX), where decode reads half the bytes of fp32 and, with
+    prepacked weights, runs measurably faster (docs/performance.md); fp32 on other CPUs, where bf16
+    matmuls are emulated and slower than fp32 ones."""
     dtype = canonical_dtype(dtype)
     if dtype == "auto":
-        return "bfloat16" if device == "cuda" else "float32"
+        return "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
     return dtype
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 in hardware (avx512_bf16 / AMX) and oneDNN will use it."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: trust oneDNN's own check alone
+        flags = "avx512_bf16"
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    return native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class Pipeline:
@@ -113,12 +129,13 @@ class Pipeline:
 
     @classmethod
     def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto",
-             *, revision=None, verify=False):  # fmt: skip
+             *, revision=None, verify=False, quantize=None):  # fmt: skip
         folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                     verify=verify)  # fmt: skip
         device = pick_device(device)
         tokenizer = Tokenizer.from_checkpoint(folder)
-        return cls(load_model(folder, device=device, dtype=pick_dtype(dtype, device)), tokenizer, folder)
+        weights = load_model(folder, device, pick_dtype(dtype, device), optimize=True, quantize=quantize)
+        return cls(weights, tokenizer, folder)
 
     @property
     def device(self) -> torch.device:
@@ -162,6 +179,8 @@ class Pipeline:
 
         Logits that turn NaN or inf raise GenerationError at that step, naming it (sample() marks the
         row on the device; the .tolist() that streaming needs anyway is where we see the mark)."""
+        if request.compile and self.device.type == "cpu":
+            raise GenerationError(CPU_COMPILE_REFUSAL)
         params = resolve_sampling_params(
             self.generation_config, request.temperature, request.top_k, request.top_p, request.min_p
         )

@@ -101,9 +101,10 @@ def bytes_per_decode_step(model, config: Qwen3Config, context_len: int, batch_si
     not otherwise read, so it is left out.
     """
     weights = weight_bytes(model) - unread_expert_bytes(model, batch_size)
-    if not config.tie_word_embeddings:
+    # untied in the checkpoint, or given its own copy at load (prepacked or quantized lm_head)
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
         weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    element = model.lm_head.weight.element_size()
+    element = model.model.embed_tokens.weight.element_size()  # the cache is in the activations' dtype
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context_len
     return weights + kv * batch_size * element
 

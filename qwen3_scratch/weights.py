@@ -26,9 +26,11 @@ from torch import nn
 from .config import DTYPES, Qwen3Config
 from .errors import CheckpointError, printable
 from .files import read_json
+from .fuse import fuse_projections, prepack_for_cpu
 from .model import Qwen3
+from .quantize import SCHEMES, quantize_model
 # hub.py imports DamagedFile and read_raw_header from here
-from .shards import DamagedFile, TensorEntry, read_raw_header, read_safetensors_header  # noqa: F401
+from .shards import DamagedFile, TensorEntry, read_raw_header, read_safetensors_header  # noqa: F401 (hub.py)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -218,8 +220,15 @@ def load_tensor(entry: TensorEntry, device, dtype) -> torch.Tensor:
     return tensor.to(device=device, dtype=dtype)
 
 
-def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
-    """Build Qwen3 from a checkpoint folder; returns the model in eval mode on `device` in `dtype`."""
+def load_model(path, device="cpu", dtype=torch.float32, optimize=False, quantize=None) -> Qwen3:
+    """Build Qwen3 from a checkpoint folder; returns the model in eval mode on `device` in `dtype`.
+
+    optimize: after the strict load, fuse q/k/v and gate/up and prepack the matrices for the CPU's
+        matmul library (fuse.py): faster decode, logits equal up to float rounding.
+    quantize: "int8" stores every matrix as int8 with per-row scales computed now (quantize.py).
+    """
+    if quantize is not None and quantize not in SCHEMES:
+        raise CheckpointError(f"--quantize {quantize!r} is not supported; use one of {', '.join(SCHEMES)}")
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{printable(folder)}: no such checkpoint folder")
@@ -247,7 +256,14 @@ def load_model(path, device="cpu", dtype=torch.float32) -> Qwen3:
         module_name, _, attr = name.rpartition(".")
         tensor = load_tensor(entries[name], device, dtype)
         setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+    del tensor  # only the model holds the weights now, so a transform below frees each one it replaces
     if tied_head:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.build_rope_tables(device, dtype)
+    if optimize:
+        fuse_projections(model)
+    if quantize is not None:
+        quantize_model(model, quantize)
+    if optimize:
+        prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
     return model.eval()

@@ -48,10 +48,16 @@ from qwen3_scratch.weights import load_model  # noqa: E402
 
 OURS = {  # our engines: generate_tokens arguments
     "recompute": dict(use_cache=False),
+    "plain": dict(use_cache=True),
     "cache": dict(use_cache=True),
+    "int8": dict(use_cache=True),
     "compiled": dict(use_cache=True, compile=True),
 }
-ENGINES = ("transformers", *OURS)
+LAYOUTS = {  # load_model arguments: "plain" keeps the checkpoint's layout; the others load as the Pipeline does
+    "recompute": {}, "plain": {},
+    "cache": dict(optimize=True), "int8": dict(optimize=True, quantize="int8"), "compiled": dict(optimize=True),
+}  # fmt: skip
+ENGINES = ("transformers", *OURS, "llamacpp")
 GREEDY = SamplingParams(temperature=0.0)
 SWEEP_STEPS = 5  # decode steps timed per length; the median is kept
 RECOMPUTE_SWEEP_REPEATS = 3  # a recompute step is one long forward, so fewer repeats suffice
@@ -234,7 +240,7 @@ def run_engines(model, engines: list[str], args, prompt, device, lengths, vocab)
     for engine in engines:
         n = args.new_tokens if engine != "recompute" else args.recompute_new_tokens
         # Recompute keeps no state between runs, so a few tokens warm its kernels as well as n would.
-        warmup = n if engine != "recompute" else min(n, 4)
+        warmup = args.warmup_tokens or (n if engine != "recompute" else min(n, 4))
         print(f"{engine}: {n} new tokens, warm-up run of {warmup}, then {args.repeats} timed", flush=True)
         results[engine] = median_run(time_engine(engine, model, prompt, n, device, args.repeats, warmup))
         if lengths and engine in SWEEPS:
@@ -256,15 +262,30 @@ def benchmark_size(size: str, args, device: str, dtype: torch.dtype, engines: li
         results, sweeps = run_engines(theirs, ["transformers"], args, prompt, device, args.sweep_lengths, vocab)
         del theirs
         free(device)
-    ours = load_model(path, device, dtype)
     mean_context = args.prompt_tokens + args.new_tokens // 2
-    step_bytes = bytes_per_decode_step(ours, ours.config, mean_context, 1)
-    mine = [e for e in engines if e != "transformers"]
-    r, s = run_engines(ours, mine, args, prompt, device, args.sweep_lengths, vocab)
-    del ours
-    free(device)
+    step_bytes = None
+    for engine in [e for e in engines if e in OURS]:  # one model in memory at a time, in this engine's layout
+        ours = load_model(path, device, dtype, **LAYOUTS[engine])
+        if engine != "int8" or step_bytes is None:
+            step_bytes = bytes_per_decode_step(ours, ours.config, mean_context, 1)
+        r, s = run_engines(ours, [engine], args, prompt, device, args.sweep_lengths, vocab)
+        results, sweeps = {**results, **r}, {**sweeps, **s}
+        if engine == "int8":
+            results[engine]["bytes_per_step"] = bytes_per_decode_step(ours, ours.config, mean_context, 1)
+        del ours
+        free(device)
+    if "llamacpp" in engines:
+        from llamacpp_engine import time_llamacpp
+
+        dtype_name = "int8" if args.llamacpp_q8 else str(dtype).removeprefix("torch.")
+        runs = time_llamacpp(path, dtype_name, prompt, args.new_tokens, torch.get_num_threads(), args.repeats)
+        results["llamacpp"] = median_run([Run(len(r["tokens"]), r["ttft_s"], r["total_s"], r["tokens"]) for r in runs])
+    if step_bytes is None:  # only transformers or llama.cpp: the same weights in the same dtype
+        model = load_model(path, device, dtype)
+        step_bytes = bytes_per_decode_step(model, model.config, mean_context, 1)
+        del model
     return {"size": size, "checkpoint": str(path), "bytes_per_step": step_bytes, "mean_context": mean_context,
-            "engines": {**results, **r}, "sweep": {**sweeps, **s}}
+            "engines": results, "sweep": sweeps}
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -277,7 +298,8 @@ def add_ratios(report: dict, bandwidth: float) -> None:
     base = report["engines"].get("transformers")
     for result in report["engines"].values():
         result["vs_transformers"] = result["decode_tok_s"] / base["decode_tok_s"] if base else None
-        result["util"] = result["decode_tok_s"] / limit
+        # int8 reads its own (smaller) bytes per step
+        result["util"] = result["decode_tok_s"] * result.get("bytes_per_step", report["bytes_per_step"]) / bandwidth
 
 
 def first_divergence(report: dict) -> dict:
@@ -344,6 +366,12 @@ def plot_sweep(report: dict, title: str, out: Path) -> None:
     plt.close(fig)
 
 
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
 def machine(device: str, bandwidth: float) -> dict:
     import transformers
 
@@ -375,6 +403,12 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=None,
                    help="use this folder instead of weights/qwen3-<size>-shapes (with one size only)")
     p.add_argument("--out", default="docs/benchmarks", help="folder for <device>_<size>.json and the PNG")
+    p.add_argument("--warmup-tokens", type=int, default=None, help="tokens of the untimed warm-up run (default: as timed)")
+    p.add_argument("--llamacpp-q8", action="store_true", help="llamacpp engine: the Q8_0 GGUF (int8) instead of --dtype's")
+    p.add_argument("--table", action="store_true",
+                   help="the issue's table: every engine and dtype in its own process, alternating (engine_table.py)")
+    p.add_argument("--table-dtypes", default="float32,bfloat16,int8", help="--table: the dtype columns")
+    p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # --table's worker processes
     args = p.parse_args(argv)
     args.sweep_lengths = [int(x) for x in args.sweep_lengths.split(",") if x.strip()]
     args.recompute_new_tokens = args.recompute_new_tokens or args.new_tokens
@@ -385,7 +419,8 @@ def resolve(args) -> tuple[str, torch.dtype, list[str]]:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.startswith("cuda")
     name = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-    engines = args.engines.split(",") if args.engines else [e for e in ENGINES if on_gpu or e != "compiled"]
+    default = ["transformers", "recompute", "cache"] + (["compiled"] if on_gpu else [])
+    engines = args.engines.split(",") if args.engines else default
     unknown = set(engines) - set(ENGINES)
     if unknown or name not in DTYPES:
         raise SystemExit(f"unknown engine(s) {sorted(unknown)} or dtype {name!r}")
@@ -409,6 +444,10 @@ def write_report(report: dict, args, info: dict, device: str, dtype: torch.dtype
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.table:
+        from engine_table import run_table
+
+        return run_table(args, argv if argv is not None else sys.argv[1:])
     device, dtype, engines = resolve(args)
     torch.set_grad_enabled(False)
     bandwidth = measure_bandwidth(device)
@@ -418,6 +457,10 @@ def main(argv=None) -> None:
     for size in args.sizes.split(","):
         report = benchmark_size(size, args, device, dtype, engines)
         add_ratios(report, bandwidth)
+        if args.child_json:  # a worker of --table: the parent prints and writes the report
+            report["peak_rss_mib"] = peak_rss_mib()
+            Path(args.child_json).write_text(json.dumps(report))
+            return
         print_table(report, engines, args.repeats)
         if args.recompute_new_tokens != args.new_tokens and "recompute" in engines:
             print(f"\nnote: recompute generated {args.recompute_new_tokens} tokens, the others {args.new_tokens}")

@@ -10,7 +10,7 @@ import pytest
 
 from make_tiny_checkpoint import make_tiny_checkpoint
 from qwen3_scratch.cli import main
-from qwen3_scratch.pipeline import GenerationRequest, Pipeline
+from qwen3_scratch.pipeline import GenerationRequest, Pipeline, pick_dtype
 from qwen3_scratch.tokenizer import Tokenizer
 from qwen3_scratch.weights import load_model
 
@@ -47,7 +47,7 @@ def test_greedy_cli_output_equals_the_python_api(tiny, capsys):
     code, out, err = cli(capsys, "--model", tiny, "--prompt", "Hello there", "--temperature", "0",
                          "--max-new-tokens", "20")  # fmt: skip
     assert code == 0, err
-    pipe = Pipeline(load_model(tiny), Tokenizer.from_checkpoint(tiny), tiny)
+    pipe = Pipeline.load(tiny, local_files_only=True)  # the same defaults (dtype, layout) as the CLI
     expected = pipe.generate(["Hello there"], GenerationRequest(max_new_tokens=20, temperature=0))[0]
     assert out == expected + "\n"
 
@@ -59,7 +59,7 @@ def test_stats_line_goes_to_stderr_as_key_value_pairs(tiny, capsys):
     pairs = dict(item.split("=", 1) for item in err.strip().splitlines()[-1].split())
     assert list(pairs) == STATS_KEYS
     assert pairs["generated_tokens"] == "8", "--ignore-eos must generate exactly --max-new-tokens"
-    assert pairs["device"] == "cpu" and pairs["dtype"] == "float32"
+    assert pairs["device"] == "cpu" and pairs["dtype"] == pick_dtype("auto", "cpu")
     assert float(pairs["tokens_per_second"]) > 0 and 0 < float(pairs["bandwidth_util"]) < 10
 
 
@@ -206,3 +206,16 @@ def test_a_mistyped_local_folder_says_so(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
     code, _, err = cli(capsys, "--model", "weights/tiny-qwen3x", "--prompt", "x")
     assert_one_line_error(code, err, "no checkpoint folder at weights/tiny-qwen3x (looked for", "check the name")
+
+
+def test_quantize_int8_generates_from_the_cli(tiny, capsys):
+    code, out, err = cli(capsys, "--model", tiny, "--prompt", "Hi", "--max-new-tokens", "6", "--ignore-eos",
+                         "--temperature", "0", "--quantize", "int8", "--show-stats")  # fmt: skip
+    assert code == 0, err
+    pairs = dict(item.split("=", 1) for item in err.strip().splitlines()[-1].split())
+    assert pairs["generated_tokens"] == "6" and pairs["dtype"] == "int8", "int8 must load and generate"
+
+
+def test_compile_on_cpu_refuses_in_one_line(tiny, capsys):
+    code, out, err = cli(capsys, "--model", tiny, "--prompt", "Hi", "--device", "cpu", "--compile")
+    assert_one_line_error(code, err, "--compile", "drop --compile")

@@ -1,0 +1,85 @@
+"""int8 weight-only quantization, computed at load time (nothing is written to disk).
+
+Batch-1 decode reads every weight once per token, so halving the bytes of bf16 (or quartering fp32)
+is close to that much faster. Weight-only: activations stay in the model's dtype, only the matrices
+are stored as int8 with one scale per output row (per output channel), as gpt-fast does:
+
+    scale[n] = max_k |W[n, k]| / 127        q[n, k] = round(W[n, k] / scale[n])  in [-127, 127]
+    y = (x @ q.T) * scale                   == x @ (q * scale[:, None]).T  up to float rounding
+
+Every nn.Linear is quantized (the projections and lm_head; a tied lm_head gets its own int8 copy and
+the embedding stays as loaded, since a lookup reads one row). The norms stay in the model's dtype.
+
+Shapes: N out_features, K in_features.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import CheckpointError
+from .fuse import in_moe_block
+from .model import Qwen3
+
+SCHEMES = ("int8",)
+
+
+def quantize_rows(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> q (N, K) int8 and scales (N,) fp32, symmetric, one scale per row.
+
+    In chunks of rows, so the fp32 temporaries of a 151936-row lm_head never exist all at once.
+    """
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)  # (N, K)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)  # (N,)
+    for start in range(0, weight.shape[0], rows_per_chunk):
+        w = weight[start : start + rows_per_chunk].float()  # exact for bf16: these are the bf16 weights' scales
+        s = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # an all-zero row stays zero
+        q[start : start + rows_per_chunk] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        scales[start : start + rows_per_chunk] = s
+    return q, scales
+
+
+class Int8Linear(nn.Module):
+    """y = (x @ q.T) * scales, with q int8 (N, K) and scales (N,) in the activations' dtype."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.split_sizes = getattr(linear, "split_sizes", None)
+        q, scales = quantize_rows(linear.weight.detach())
+        self.weight = nn.Parameter(q, requires_grad=False)  # (N, K) int8
+        self.scales = nn.Parameter(scales.to(dtype), requires_grad=False)  # (N,)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # Dequantize inside the matmul's input: under torch.compile the int8 -> bf16 cast fuses into
+            # the GEMV's weight load (gpt-fast's path); eagerly it costs one bf16 copy of the matrix.
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        else:
+            # torch's CPU kernel for exactly this: int8 weights, per-row scales, float activations.
+            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+@torch.no_grad()
+def quantize_model(model: Qwen3, scheme: str = "int8") -> Qwen3:
+    """Replace every nn.Linear by an Int8Linear, in place, one matrix at a time (never a full copy)."""
+    if scheme not in SCHEMES:
+        raise CheckpointError(f"--quantize {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
+    dtype = model.model.embed_tokens.weight.dtype
+    # names, not modules: holding every replaced module in a list would keep all the old matrices alive
+    # until the loop ends (a second copy of the model); this way each is freed as soon as it is replaced
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear and not in_moe_block(model, name)]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(name)
+        setattr(model.get_submodule(parent_name), attr, Int8Linear(module, dtype))
+        del module
+    return model
+
+
+def dequantized_weight(layer: Int8Linear) -> torch.Tensor:
+    """The float matrix an Int8Linear stands for, (N, K) fp32: the reference its products must equal."""
+    return layer.weight.float() * layer.scales.float()[:, None]

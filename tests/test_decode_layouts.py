@@ -1,0 +1,115 @@
+"""The load-time decode layouts (fused + prepacked matrices, int8 weights) keep the model's answers:
+fp32 logits as transformers' to 1e-5, bf16 greedy tokens as transformers', int8 logits as the model
+whose matrices are the same int8 weights dequantized. Speed is in scripts/, not here."""
+
+import pytest
+import torch
+from torch import nn
+
+from checkpoints import assert_logits_match, build_checkpoint, load_reference
+from qwen3_scratch.errors import CheckpointError
+from qwen3_scratch.generate import generate_tokens
+from qwen3_scratch.quantize import Int8Linear, dequantized_weight, quantize_rows
+from qwen3_scratch.sampling import SamplingParams
+from qwen3_scratch.weights import load_model
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("tied"))
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("bf16"), dtype=torch.bfloat16)
+
+
+def ids(batch=2, length=48, seed=0):
+    return torch.randint(0, 512, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_fused_prepacked_fp32_logits_match_transformers(tmp_path, tied, untied):
+    path = build_checkpoint(tmp_path, tie_word_embeddings=False) if untied else tied
+    model = load_model(path, dtype=torch.float32, optimize=True)
+    layer = model.model.layers[0]
+    assert hasattr(layer.self_attn, "qkv_proj") and not hasattr(layer.self_attn, "q_proj"), "q/k/v were not fused"
+    assert hasattr(layer.mlp, "gate_up_proj") and not hasattr(layer.mlp, "gate_proj"), "gate/up were not fused"
+    x = ids()
+    assert_logits_match(model(x), load_reference(path)(x).logits, f"optimized layout, untied={untied}")
+
+
+def test_fused_prepacked_bf16_greedy_tokens_equal_transformers(bf16_checkpoint):
+    model = load_model(bf16_checkpoint, dtype="bfloat16", optimize=True)
+    reference = load_reference(bf16_checkpoint, dtype=torch.bfloat16)
+    x = ids(batch=4, length=64)
+    agree = (model(x).argmax(-1) == reference(x).logits.argmax(-1)).float().mean().item()
+    assert agree >= 0.99, f"bf16 argmax agrees at only {agree:.1%} of positions (need >= 99%)"
+    prompt = ids(1, 12, seed=3)
+    ours = torch.cat(list(generate_tokens(model, prompt.tolist(), 16, GREEDY, ignore_eos=True))).tolist()
+    theirs = reference.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, 12:].tolist()
+    assert ours == theirs, "bf16 greedy tokens differ from transformers' with the optimized layout"
+
+
+def test_optimized_loading_still_checks_every_checkpoint_key(tmp_path):
+    """Fusion happens after the strict load, so a missing matrix is named as the checkpoint names it."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_checkpoint(tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"no tensor model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_model(path, optimize=True, quantize="int8")
+
+
+def dequantized_reference(path, dtype):
+    """The plain model with each matrix replaced by its int8 weights times their scales."""
+    model = load_model(path, dtype=dtype)
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            q, scales = quantize_rows(module.weight)
+            module.weight = nn.Parameter((q.float() * scales[:, None]).to(dtype), requires_grad=False)
+    return model
+
+
+@pytest.mark.parametrize("optimize", [False, True])
+def test_int8_logits_equal_the_dequantized_weights_reference(tied, optimize):
+    model = load_model(tied, dtype=torch.float32, quantize="int8", optimize=optimize)
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.weight.dtype == torch.int8
+    assert model.model.embed_tokens.weight.dtype == torch.float32, "the embedding lookup stays unquantized"
+    x = ids()
+    assert_logits_match(model(x), dequantized_reference(tied, torch.float32)(x), f"int8, optimize={optimize}")
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    w = torch.randn(64, 96) * torch.linspace(0.01, 3, 64)[:, None]  # rows of very different ranges
+    q, scales = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127, "the largest |w| of each row must map to 127"
+    error = (dequantized_weight_of(q, scales) - w).abs()
+    assert (error <= scales[:, None] / 2 + 1e-6).all(), "rounding error above half a quantization step"
+
+
+def dequantized_weight_of(q, scales):
+    layer = Int8Linear(nn.Linear(q.shape[1], q.shape[0], bias=False), torch.float32)
+    layer.weight.data, layer.scales.data = q, scales
+    return dequantized_weight(layer)
+
+
+def test_int8_against_bf16_argmax_agreement(bf16_checkpoint):
+    """What int8 costs in accuracy on the tiny checkpoint (the 0.6B figures are in docs/performance.md)."""
+    x = ids(batch=4, length=64)
+    bf16 = load_model(bf16_checkpoint, dtype="bfloat16", optimize=True)(x).float()
+    int8 = load_model(bf16_checkpoint, dtype="bfloat16", optimize=True, quantize="int8")(x).float()
+    agree = (bf16.argmax(-1) == int8.argmax(-1)).float().mean().item()
+    worst = ((int8 - bf16).abs().max() / bf16.abs().max()).item()
+    print(f"int8 vs bf16 on the tiny checkpoint: argmax agreement {agree:.1%}, max relative logit diff {worst:.3g}")
+    assert agree >= 0.95, f"int8 argmax agrees with bf16 at only {agree:.1%} of positions"
+    assert worst < 0.05, f"int8 logits differ from bf16 by {worst:.3g} of the largest logit"
+
+
+def test_unknown_quantization_is_refused_before_loading(tied):
+    with pytest.raises(CheckpointError, match="--quantize 'int4' is not supported; use one of int8"):
+        load_model(tied, quantize="int4")
