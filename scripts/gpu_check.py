@@ -31,7 +31,8 @@ for folder in (ROOT, HERE):  # the package need not be installed
         sys.path.insert(0, str(folder))
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=512)  # fmt: skip
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+            bos_token_id=0, eos_token_id=1)  # Qwen3's ids (151643...) are outside a 512-token vocabulary  # fmt: skip
 VARIANTS = [("bfloat16", None), ("int8", "int8")]  # (name, quantize); activations are bf16 in both
 ENGINES = ("eager", "compiled")
 STEP_LIMITS = {"tests": 150, "decode": 170, "load": 90}  # seconds per step; decode per size

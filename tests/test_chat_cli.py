@@ -19,8 +19,6 @@ import pytest
 from make_tiny_checkpoint import make_tiny_checkpoint
 from qwen3_scratch.chat_cli import ReplyPrinter
 from qwen3_scratch.pipeline import GenerationRequest, Pipeline
-from qwen3_scratch.tokenizer import Tokenizer
-from qwen3_scratch.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = ["--temperature", "1.0", "--seed", "3", "--ignore-eos"]
@@ -33,8 +31,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture
-def pipe(tiny):  # a fresh pipeline (and cache) per test, like a fresh chat process
-    return Pipeline(load_model(tiny), Tokenizer.from_checkpoint(tiny), tiny)
+def pipe(tiny):  # a fresh pipeline (and cache) per test, loaded as the chat command loads it (same dtype, layout)
+    return Pipeline.load(str(tiny), device="cpu")
 
 
 class Terminal(io.StringIO):
