@@ -77,7 +77,7 @@ class ConversationCache:
         return logits
 
     def _run(self, ids: list[int], start: int) -> torch.Tensor:
-        device = self.model.lm_head.weight.device
+        device = self.model.device
         # One row and no padding: a token's slot is its RoPE position.
         slots = torch.arange(start, start + len(ids), device=device)  # (T,)
         # Causal over the filled slots only: stale slots past the end are never seen.
@@ -89,10 +89,11 @@ class ConversationCache:
         """Grow to at least `length` slots (whole blocks, at most the context), keeping the valid ones."""
         if self.cache is not None and self.cache.max_len >= length:
             return
+        # RoPE tables too: on a GPU forward() does not grow them itself (that would sync every step).
+        self.model.reserve_positions(length)
         context = self.model.config.max_position_embeddings
-        weight = self.model.lm_head.weight
         size = min(-(-length // self.block) * self.block, context)
-        bigger = KVCache(self.model.config, 1, size, weight.device, weight.dtype)
+        bigger = KVCache(self.model.config, 1, size, self.model.device, self.model.activation_dtype)
         n = len(self.tokens)
         if self.cache is not None and n:
             bigger.keys[:, :, :, :n] = self.cache.keys[:, :, :, :n]  # (L, 1, K, n, D)
@@ -154,7 +155,7 @@ class Conversation:
         )
         generator = None
         if request.seed is not None:
-            generator = torch.Generator(self.model.lm_head.weight.device).manual_seed(request.seed)
+            generator = torch.Generator(self.model.device).manual_seed(request.seed)
         parser = StreamParser(self.tokenizer, in_reasoning=prompt_opens_thinking(prompt, self.tokenizer))
         if not self.reuse:
             self.cache.reset()

@@ -98,10 +98,9 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
     ):
-        weight = model.lm_head.weight
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, frozenset(eos_ids)
         self.context = model.config.max_position_embeddings
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, weight.device, weight.dtype)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.activation_dtype)
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs))
         self.runner = ModelRunner(model, self.cache)

@@ -114,7 +114,6 @@ class CachedLoop:
 
     def __init__(self, model: Qwen3, batch: PaddedBatch, n_new: int, compile: bool = False):
         B, T = batch.ids.shape
-        weight = model.model.embed_tokens.weight  # the activations' dtype, also when lm_head is int8
         self.model, self.batch = model, batch
         if compile and model.config.num_experts:  # which experts run depends on the data: no fixed graph
             raise GenerationError("--compile is not implemented for MoE (qwen3_moe) models; run without it")
@@ -122,10 +121,10 @@ class CachedLoop:
             self.cache = static_cache(model, B, T + n_new)
             self.decode_step = compiled_decode_step(self.cache)
         else:
-            self.cache = KVCache(model.config, B, T + n_new, weight.device, weight.dtype)
+            self.cache = KVCache(model.config, B, T + n_new, model.device, model.activation_dtype)
             self.decode_step = decode_step
         self.compiled = compile
-        self.slots = torch.arange(self.cache.max_len, device=weight.device)  # made once; steps take views
+        self.slots = torch.arange(self.cache.max_len, device=model.device)  # made once; steps take views
         self.next_slot = T
         self.positions = batch.positions[:, -1:].clone()  # (B, 1), advanced in place
 
@@ -163,7 +162,7 @@ def generate_tokens(
     A row finishes when it emits one of eos_ids (the EOS token itself is yielded). The loop ends when
     every row has finished, after max_new_tokens, or when the context is full.
     """
-    device = model.lm_head.weight.device
+    device = model.device
     batch = PaddedBatch.left_pad(prompts, pad_id, device)
     n_new = plan_new_tokens(batch.ids.shape[1], max_new_tokens, model.config.max_position_embeddings)
     model.reserve_positions(batch.ids.shape[1] + n_new)  # RoPE tables for every position, before any compiled step
@@ -195,8 +194,7 @@ def static_cache(model: Qwen3, batch_size: int, min_len: int) -> KVCache:
     cache = caches.get(batch_size)
     if cache is None or cache.max_len < min_len:
         max_len = min(-(-min_len // CACHE_BLOCK) * CACHE_BLOCK, model.config.max_position_embeddings)
-        weight = model.model.embed_tokens.weight
-        cache = caches[batch_size] = KVCache(model.config, batch_size, max_len, weight.device, weight.dtype)
+        cache = caches[batch_size] = KVCache(model.config, batch_size, max_len, model.device, model.activation_dtype)
     cache.key_valid.fill_(True)  # prefill marks this generation's padding
     return cache
 

@@ -80,7 +80,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.generation_config = load_generation_config(self.checkpoint)
         if num_blocks is None:
-            dtype_bytes = self.model.lm_head.weight.element_size()
+            dtype_bytes = self.model.activation_dtype.itemsize
             num_blocks = default_num_blocks(self.model.config, dtype_bytes, block_size, kv_cache_memory_gib, max_num_seqs)
         self.engine = LLMEngine(
             self.model, self.tokenizer, self.eos_ids, num_blocks, block_size, max_num_seqs, max_num_batched_tokens

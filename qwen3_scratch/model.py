@@ -142,9 +142,19 @@ class Qwen3(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of activations, logits and the KV cache: the embedding's. (A quantized or prepacked
+        lm_head keeps its weight in its own format, so its dtype says nothing about the activations.)"""
+        return self.model.embed_tokens.weight.dtype
+
     def build_rope_tables(self, device=None, dtype=None, length: int | None = None):
         """Fill the cos/sin tables (fp32 maths, then cast to the activation dtype, as transformers does)."""
-        dtype = dtype or self.model.embed_tokens.weight.dtype
+        dtype = dtype or self.activation_dtype
         length = length or min(INITIAL_ROPE_POSITIONS, self.config.max_position_embeddings)
         self.rope_cos, self.rope_sin = rope_tables(self.config, device, dtype, length)
 
@@ -155,8 +165,7 @@ class Qwen3(nn.Module):
         compiled or CUDA-graph step must find its tables already there, at a fixed address.
         """
         if n > self.rope_cos.shape[0]:
-            weight = self.model.embed_tokens.weight
-            self.build_rope_tables(weight.device, self.rope_cos.dtype if self.rope_cos.numel() else None,
+            self.build_rope_tables(self.device, self.rope_cos.dtype if self.rope_cos.numel() else None,
                                    table_length(n, self.config))  # fmt: skip
 
     @torch.no_grad()

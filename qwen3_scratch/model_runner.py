@@ -23,7 +23,7 @@ from .scheduler import Chunk, ScheduledBatch
 class ModelRunner:
     def __init__(self, model: Qwen3, cache: PagedKVCache):
         self.model, self.cache = model, cache
-        self.device = model.lm_head.weight.device
+        self.device = model.device
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:

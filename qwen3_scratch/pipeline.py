@@ -139,7 +139,7 @@ class Pipeline:
 
     @property
     def device(self) -> torch.device:
-        return self.model.lm_head.weight.device
+        return self.model.device
 
     @property
     def eos_ids(self) -> list[int]:
@@ -200,7 +200,7 @@ class Pipeline:
             if NON_FINITE in row_tokens:
                 raise GenerationError(
                     f"stopped at generated token {steps + 1} (batch row {row_tokens.index(NON_FINITE) + 1}): "
-                    f"the model's logits are NaN or inf ({self.model.lm_head.weight.dtype} overflowed, or the "
+                    f"the model's logits are NaN or inf ({self.model.activation_dtype} overflowed, or the "
                     "weights are damaged); try --dtype float32, or download the checkpoint again"
                 )  # fmt: skip
             if ttft is None:

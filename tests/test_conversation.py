@@ -149,3 +149,22 @@ def test_stream_pieces_add_up_to_the_message_and_closing_early_keeps_the_tokens_
     # the cache stays consistent: the next turn's logits still equal a fresh prefill's
     prompt = pipe.tokenizer.chat_ids(messages + [cut, user("Go on.")])
     assert_logits_match(pipe.conversation.cache.prefill(prompt), fresh_logits(pipe.model, prompt), "after Ctrl-C")
+
+
+def test_an_int8_model_chats_with_its_cache_in_the_activations_dtype(checkpoint):
+    """With int8 weights, two reused turns give the simple loop's greedy tokens on the same prompts (a KV
+    cache in the int8 lm_head's dtype would truncate every key and drift), and the cache is bf16."""
+    from qwen3_scratch.generate import generate_tokens
+    from qwen3_scratch.sampling import SamplingParams
+
+    model = load_model(checkpoint, dtype="bfloat16", optimize=True, quantize="int8")
+    pipe = Pipeline(model, Tokenizer.from_checkpoint(checkpoint), checkpoint)
+    messages = []
+    for text in ["Hello! How are you today?", "Please summarize that."]:
+        messages.append(user(text))
+        messages.append(pipe.chat(messages, GREEDY))
+        conversation = pipe.conversation
+        alone = [int(t[0]) for t in generate_tokens(model, [conversation.last_prompt], GREEDY.max_new_tokens,
+                                                     SamplingParams(temperature=0.0), pipe.eos_ids)]  # fmt: skip
+        assert conversation.last_ids == alone, "a chat turn on int8 weights differs from the simple loop"
+    assert conversation.cache.cache.keys.dtype == torch.bfloat16

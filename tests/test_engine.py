@@ -300,3 +300,14 @@ def test_llm_generate_and_chat_in_vllms_shape(checkpoint, model):
     assert chat.prompt_token_ids == llm.tokenizer.chat_ids(messages), "chat prompts come from chat_ids"
     assert chat.outputs[0].message["role"] == "assistant" and "content" in chat.outputs[0].message
     assert llm.engine.blocks.num_free == 64
+
+
+def test_an_int8_model_keeps_its_kv_pool_in_the_activations_dtype_and_matches_the_simple_loop(checkpoint, tokenizer):
+    # An int8 lm_head's weight is int8; the pool must take the embedding's dtype, or every key is truncated.
+    quantized = load_model(checkpoint, dtype="bfloat16", optimize=True, quantize="int8")
+    engine = LLMEngine(quantized, tokenizer, eos_ids=[], num_blocks=32, block_size=8)
+    assert engine.cache.keys.dtype == torch.bfloat16, f"the KV pool is {engine.cache.keys.dtype}"
+    requests = {f"r{i}": (prompt(9 + 5 * i, i), RequestParams(temperature=0, max_tokens=12)) for i in range(3)}
+    outputs = run_engine(engine, requests)
+    for request_id, (ids, _) in requests.items():
+        assert outputs[request_id] == alone(quantized, ids, 12), f"{request_id}: int8 engine differs from the simple loop"
