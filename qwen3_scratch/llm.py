@@ -23,7 +23,7 @@ from .params import RequestParams
 from .pipeline import pick_device, pick_dtype
 from .hub import resolve_checkpoint
 from .kv_cache import kv_cache_bytes
-from .sampling import load_generation_config
+from .sampling import load_generation_config, stop_token_ids
 from .tokenizer import Tokenizer
 from .weights import load_model
 
@@ -89,10 +89,7 @@ class LLM:
 
     @property
     def eos_ids(self) -> list[int]:
-        ids = self.generation_config.get("eos_token_id") or self.model.config.eos_token_ids
-        if not ids and self.tokenizer.eos_token_id is not None:
-            ids = [self.tokenizer.eos_token_id]
-        return list(ids)
+        return stop_token_ids(self.generation_config, self.model.config.eos_token_ids, self.tokenizer.eos_token_id)
 
     def get_default_sampling_params(self) -> RequestParams:
         """The checkpoint's generation_config.json sampling defaults, as vLLM's LLM uses them."""

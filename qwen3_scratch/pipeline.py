@@ -37,6 +37,7 @@ from .sampling import (
     check_top_p,
     load_generation_config,
     resolve_sampling_params,
+    stop_token_ids,
 )
 from .stats import (
     GenerationStats,
@@ -143,10 +144,7 @@ class Pipeline:
 
     @property
     def eos_ids(self) -> list[int]:
-        ids = self.generation_config.get("eos_token_id") or self.model.config.eos_token_ids
-        if not ids and self.tokenizer.eos_token_id is not None:
-            ids = [self.tokenizer.eos_token_id]
-        return list(ids)
+        return stop_token_ids(self.generation_config, self.model.config.eos_token_ids, self.tokenizer.eos_token_id)
 
     def prompt_ids(self, prompt: str, system: str | None = None, chat: bool = True, thinking: bool = True,
                    what: str = "the prompt"):  # fmt: skip

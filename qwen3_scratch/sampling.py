@@ -183,6 +183,15 @@ def _read_eos(value, path: Path) -> list[int]:
     return ids
 
 
+def stop_token_ids(generation_config: dict, config_eos: list[int], tokenizer_eos: int | None) -> list[int]:
+    """The ids that end a generation: generation_config.json's eos_token_id (Qwen3 lists <|im_end|> and
+    <|endoftext|> there), else config.json's, else the tokenizer's eos_token."""
+    ids = generation_config.get("eos_token_id") or config_eos
+    if not ids and tokenizer_eos is not None:
+        ids = [tokenizer_eos]
+    return list(ids)
+
+
 def load_generation_config(checkpoint_dir, vocab_size: int | None = None) -> dict:
     """The checkpoint's generation defaults from generation_config.json; {} when there is none.
 

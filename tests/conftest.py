@@ -17,3 +17,19 @@ def real_vocab_folder(tmp_path_factory):
     from real_vocab import build_real_vocab_tokenizer
 
     return build_real_vocab_tokenizer(tmp_path_factory.mktemp("qwen3-real-vocab"))
+
+
+@pytest.fixture(scope="session")
+def real_vocab_tokenizer(real_vocab_folder):
+    """Our Tokenizer on Qwen3's real vocabulary."""
+    from qwen3_scratch.tokenizer import Tokenizer
+
+    return Tokenizer.from_checkpoint(real_vocab_folder)
+
+
+@pytest.fixture(scope="session")
+def real_vocab_hf_tokenizer(real_vocab_folder):
+    """transformers' tokenizer on the same files: the oracle."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(real_vocab_folder)

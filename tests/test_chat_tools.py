@@ -7,9 +7,7 @@ control token stays text in `chat_ids`.
 """
 
 import pytest
-import transformers
 
-from qwen3_scratch.tokenizer import Tokenizer
 
 IM_START, IM_END, TOOL_CALL, END_TOOL_CALL = 151644, 151645, 151657, 151658
 
@@ -63,18 +61,13 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def folder(real_vocab_folder):
-    return real_vocab_folder
+def tokenizer(real_vocab_tokenizer):
+    return real_vocab_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(folder):
-    return Tokenizer.from_checkpoint(folder)
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(folder):
-    return transformers.AutoTokenizer.from_pretrained(folder)
+def hf_tokenizer(real_vocab_hf_tokenizer):
+    return real_vocab_hf_tokenizer
 
 
 @pytest.mark.parametrize("name", CASES)

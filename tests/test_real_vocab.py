@@ -23,7 +23,7 @@ from real_vocab import (  # noqa: E402
     reference_encode,
 )
 
-from qwen3_scratch.tokenizer import StreamingDetokenizer, Tokenizer  # noqa: E402
+from qwen3_scratch.tokenizer import StreamingDetokenizer  # noqa: E402
 
 QWEN3_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<think>": 151667,
              "</think>": 151668}
@@ -64,18 +64,13 @@ def ranks():
 
 
 @pytest.fixture(scope="module")
-def folder(real_vocab_folder):
-    return real_vocab_folder
+def tokenizer(real_vocab_tokenizer):
+    return real_vocab_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(folder):
-    return Tokenizer.from_checkpoint(folder)
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(folder):
-    return transformers.AutoTokenizer.from_pretrained(folder)
+def hf_tokenizer(real_vocab_hf_tokenizer):
+    return real_vocab_hf_tokenizer
 
 
 def test_the_package_holds_qwen3s_vocabulary(ranks):
