@@ -66,6 +66,8 @@ class LLM:
         *,
         weights_dir="weights",
         local_files_only: bool = False,
+        revision: str | None = None,
+        verify: bool = False,
         device: str = "auto",
         dtype: str = "auto",
         kv_cache_memory_gib: float = 1.0,
@@ -74,7 +76,8 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
     ):
-        self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only)
+        self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
+                                             verify=verify)  # fmt: skip
         device = pick_device(device)
         self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device))
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)

@@ -2,57 +2,58 @@
 
 Loads the checkpoint (LLM), starts the engine thread (AsyncEngine), serves the FastAPI app
 (server.py) with uvicorn on 127.0.0.1:8000 unless told otherwise. Each flag maps to one parameter.
+Like the other commands: bad input is one line on stderr and exit 2, Ctrl-C exits 130, quietly.
 """
 
 import argparse
 import sys
 
-import uvicorn
-
-from .async_engine import AsyncEngine
+from .cli import OneLineParser, model_flags, run_cli
 from .errors import Qwen3Error
-from .llm import LLM
-from .pipeline import DEFAULT_MODEL
-from .server import build_app
+
+PROG = "qwen3-serve"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="qwen3-serve", description="Serve a Qwen3 checkpoint with OpenAI's HTTP API.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder or Hub id")
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description="Serve a Qwen3 checkpoint with OpenAI's HTTP API.")
+    model_flags(p)
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
-    p.add_argument("--weights-dir", default="weights", help="where Hub models are downloaded")
-    p.add_argument("--local-files-only", action="store_true", help="never touch the network")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="memory for the paged KV pool")
-    p.add_argument("--num-blocks", type=int, help="KV blocks in the pool (overrides --kv-cache-memory-gib)")
-    p.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step at most")
-    return p.parse_args(argv)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="(default %(default)s)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes (default: none)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="memory for the paged KV pool (default %(default)s)")
+    p.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: from --kv-cache-memory-gib)")
+    p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens computed per step at most (default %(default)s)")  # fmt: skip
+    return p
 
 
-def load(args: argparse.Namespace) -> LLM:
+def load(args: argparse.Namespace):
+    """The LLM the flags describe (checked first, then loaded)."""
     for flag in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise Qwen3Error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    from .llm import LLM  # imports torch
+
     return LLM(args.model, weights_dir=args.weights_dir, local_files_only=args.local_files_only, device=args.device,
-               dtype=args.dtype, kv_cache_memory_gib=args.kv_cache_memory_gib, num_blocks=args.num_blocks,
-               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+               dtype=args.dtype, revision=args.revision, verify=args.verify,
+               kv_cache_memory_gib=args.kv_cache_memory_gib, num_blocks=args.num_blocks, block_size=args.block_size,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def serve(args: argparse.Namespace) -> None:
     try:
-        llm = load(args)
-    except Qwen3Error as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        import uvicorn
+
+        from .server import build_app
+    except ImportError as error:
+        raise Qwen3Error(f"the server needs FastAPI and uvicorn ({error}): pip install -e \".[serve]\"") from error
+    from .async_engine import AsyncEngine
+
+    llm = load(args)
     blocks = llm.engine.blocks
     print(f"KV pool: {blocks.num_blocks} blocks x {blocks.block_size} tokens = {blocks.num_blocks * blocks.block_size} "
           f"token slots (context {llm.engine.context})", file=sys.stderr)  # fmt: skip
@@ -63,7 +64,10 @@ def main(argv=None) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         engine.stop()
-    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(PROG, build_parser(), serve, argv)
 
 
 if __name__ == "__main__":

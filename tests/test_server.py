@@ -8,6 +8,7 @@ are checked with a scripted model that forces known tokens out of the real engin
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -287,9 +288,31 @@ def test_serve_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
 
     assert main(["--model", str(tmp_path / "missing"), "--local-files-only"]) == 2
     assert main(["--model", str(tmp_path), "--block-size", "0"]) == 2
+    with pytest.raises(SystemExit) as exit_:  # argparse's own errors are one line and exit 2 too
+        main(["--model", str(tmp_path), "--port", "eighty"])
+    assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), lines
-    assert "block-size" in lines[1]
+    assert len(lines) == 3 and all(line.startswith("qwen3-serve: error: ") for line in lines), lines
+    assert "block-size" in lines[1] and "--port" in lines[2]
+
+
+def test_serve_without_the_serve_extra_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    from qwen3_scratch.serve import main
+
+    real_import = builtins.__import__
+
+    def no_fastapi(name, *args, **kwargs):
+        if name in ("uvicorn", "fastapi") or name.startswith("fastapi."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fastapi)
+    monkeypatch.delitem(sys.modules, "qwen3_scratch.server", raising=False)
+    assert main(["--model", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert 'pip install -e ".[serve]"' in line, line
 
 
 # -- load ------------------------------------------------------------------------------------------
