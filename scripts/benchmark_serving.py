@@ -31,6 +31,7 @@ from qwen3_scratch.generate import CachedLoop, PaddedBatch, generate_tokens  # n
 from qwen3_scratch.params import RequestParams  # noqa: E402
 from qwen3_scratch.sampling import SamplingParams as LogitsFilter  # noqa: E402
 from qwen3_scratch.scheduler import Chunk, Sequence  # noqa: E402
+from qwen3_scratch.pipeline import pick_dtype  # noqa: E402
 from qwen3_scratch.weights import load_model  # noqa: E402
 
 
@@ -114,11 +115,11 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-def transformers_static(checkpoint, prompts, new_tokens, batch_size):
+def transformers_static(checkpoint, prompts, new_tokens, batch_size, dtype):
     """transformers' generate on static, left-padded batches of the same prompts: output tokens/s."""
     import transformers
 
-    model = transformers.Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = transformers.Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         group = prompts[i : i + batch_size]
@@ -142,6 +143,7 @@ def parse_args(argv=None):
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared system prompt for the prefix-cache test")
     p.add_argument("--prefix-repeats", type=int, default=2)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--dtype", default="auto", help="auto: what LLM picks on this CPU (pipeline.pick_dtype); both engines use it")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's); 1 avoids barrier stalls on a busy machine")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "serving_cpu_0.6B.json"))
@@ -157,7 +159,9 @@ def main(argv=None):
     info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_average_at_start": os.getloadavg()}  # fmt: skip
     print(f"machine: {info}\ncommand: python scripts/benchmark_serving.py {' '.join(argv or sys.argv[1:])}", flush=True)
-    model = load_model(args.checkpoint, dtype=torch.float32)
+    dtype = pick_dtype(args.dtype, "cpu")
+    info["dtype"] = dtype
+    model = load_model(args.checkpoint, dtype=dtype, optimize=True)  # the layout LLM and Pipeline load
     vocab = model.config.vocab_size
     low, high = (int(x) for x in args.prompt_tokens.split(","))
     prompts = random_prompts(args.requests, low, high, vocab)
@@ -184,7 +188,7 @@ def main(argv=None):
     if not args.skip_transformers:
         for c in (int(x) for x in args.concurrency.split(",")):
             subset = prompts[: args.single_requests] if c == 1 else prompts
-            rate = transformers_static(args.checkpoint, subset, args.new_tokens, c)
+            rate = transformers_static(args.checkpoint, subset, args.new_tokens, c, dtype)
             report["tokens_per_second"][f"transformers_static_{c}"] = round(rate, 2)
             print(f"transformers generate, static batches of {c}: {rate:.2f} tok/s", flush=True)
     report["machine"]["load_average_at_end"] = os.getloadavg()
