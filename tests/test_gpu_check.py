@@ -18,7 +18,7 @@ def dry_run(tmp_path_factory):
     # from outside the source tree and without this package on the path, as on the GPU machine
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--sizes", "tiny,9B",
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--sizes", "tiny,tiny-moe,9B",
          "--new-tokens", "4", "--out", str(out), "--weights", str(weights)],
         capture_output=True, text=True, timeout=240, cwd=out, env=env,
     )  # fmt: skip
@@ -33,6 +33,17 @@ def test_dry_run_decodes_bf16_and_int8_and_skips_what_needs_cuda(dry_run):
         assert results[variant]["decode_tok_s"] > 0 and len(results[variant]["tokens"]) == 4, results[variant]
     assert results["bfloat16/compiled"] == {"skipped": "CUDA graphs need CUDA"}
     assert "skipped" in report["steps"]["cuda tests"] and "skipped" in report["steps"]["load benchmark"]
+
+
+def test_dry_run_decodes_the_moe_shapes_drawn_in_memory(dry_run):
+    report, markdown = dry_run
+    step = report["steps"]["decode tiny-moe"]
+    assert step["returncode"] == 0, step.get("output_tail")
+    for variant in ("bfloat16/eager", "int8/eager"):
+        result = step["results"][variant]
+        assert result["decode_tok_s"] > 0 and len(result["tokens"]) == 4, result
+        assert 0 < result["bytes_per_step"], "the MoE row reports the bytes a step really reads"
+    assert "| tiny-moe | bfloat16/eager |" in markdown
 
 
 def test_a_failing_step_is_recorded_and_the_run_goes_on(dry_run):
