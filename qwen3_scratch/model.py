@@ -77,12 +77,33 @@ class Attention(nn.Module):
             # decoding (cost follows the context), or all of them when shapes must stay fixed (CUDA graphs).
             S = mask.shape[-1]
             k, v = k[:, :, :S], v[:, :, :S]  # (B, K, S, D)
-        # No mask means plain causal over these T tokens, which is what is_causal=True does.
-        # enable_gqa lets each group of H/K query heads read its shared kv head without copying it.
-        # SDPA computes the softmax in fp32 even for bf16 inputs.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        if T == 1 and q.device.type == "cpu" and q.dtype != torch.float32:
+            y = one_query_attention(q, k, v, mask)  # CPU decode in bf16/fp16: see the function
+        else:
+            # No mask means plain causal over these T tokens, which is what is_causal=True does.
+            # enable_gqa lets each group of H/K query heads read its shared kv head without copying it.
+            # SDPA computes the softmax in fp32 even for bf16 inputs.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)  # (B, T, C)
+
+
+def one_query_attention(q, k, v, mask=None):
+    """Attention for one new token per row: q (B, H, 1, D) over k, v (B, K, S, D) -> (B, H, 1, D).
+
+    Why not SDPA: on a CPU its kernel for a single query row reads the cache slowly in half precision
+    (16 rows x 512 keys, one layer: 26 ms in bf16, 3.6 ms this way; docs/performance.md), which made
+    batched decode attention-bound. Two matmuls and a softmax, in transformers' eager order: scores in
+    the activations' dtype, masked, softmax in fp32, cast back, times v. GQA without copying the cache:
+    the G = H/K query heads that share a kv head become G rows of one product.
+    """
+    B, H, _, D = q.shape
+    K = k.shape[1]
+    scores = torch.matmul(q.view(B, K, H // K, D), k.transpose(-1, -2)) * D**-0.5  # (B, K, G, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(B, 1, 1, -1), float("-inf"))  # mask (B, 1, 1, S)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).view(B, H, 1, D)  # (B, K, G, D) -> (B, H, 1, D)
 
 
 class MLP(nn.Module):
