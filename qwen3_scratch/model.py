@@ -99,11 +99,20 @@ def one_query_attention(q, k, v, mask=None):
     """
     B, H, _, D = q.shape
     K = k.shape[1]
-    scores = torch.matmul(q.view(B, K, H // K, D), k.transpose(-1, -2)) * D**-0.5  # (B, K, G, S)
+    q = q.view(B, K, H // K, D)  # (B, K, G, D)
+    mask = None if mask is None else mask.view(B, 1, 1, -1)  # (B, 1, 1, S)
+    # Batch over the order the keys are stored in: a paged gather hands them over head-major, and a
+    # batched matmul over strided keys is several times slower than over contiguous ones.
+    head_major = B > 1 and not k.is_contiguous() and k.transpose(0, 1).is_contiguous()
+    if head_major:  # (K, B, ...) throughout, q made contiguous in that order (it is small)
+        q, k, v = q.transpose(0, 1).contiguous(), k.transpose(0, 1), v.transpose(0, 1)
+        mask = None if mask is None else mask.transpose(0, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * D**-0.5  # (B, K, G, S), or (K, B, G, S)
     if mask is not None:
-        scores = scores.masked_fill(~mask.view(B, 1, 1, -1), float("-inf"))  # mask (B, 1, 1, S)
+        scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).view(B, H, 1, D)  # (B, K, G, D) -> (B, H, 1, D)
+    y = torch.matmul(probs, v)  # (B, K, G, D), or (K, B, G, D)
+    return (y.transpose(0, 1) if head_major else y).reshape(B, H, 1, D)
 
 
 class MLP(nn.Module):

@@ -14,15 +14,18 @@ dense (B, K, S, D) tensor. The mask hides the gather's padding.
 
 What the gather costs against a contiguous cache: attention over a contiguous cache reads each cached
 key/value once; the gather reads it, writes a dense copy, and attention reads the copy: about 3x the
-memory traffic of the attention's own reads, per layer per step. At short contexts decode is
-dominated by reading the weights and this is small; it grows with context x batch. Measured on the
-0.6B shapes (fp32, CPU; scripts/benchmark_serving.py, docs/performance.md "Serving"): one decode step
-of 16 rows at 512 tokens took 1.6x to 2.1x the contiguous cache's (1.8 s against 1.1 s on a busy
-2-core machine), since the gather then copies 1.9 GB a step, as much as the weights. A fused paged-attention kernel (vLLM's)
+memory traffic of the attention's own reads, per layer per step. At short contexts decode is dominated
+by reading the weights and this is small; it grows with context x batch. Measured on the 0.6B shapes
+(bf16, CPU, docs/performance.md "Serving"): gathering one layer's keys for 16 rows x 512 tokens takes
+~2.8 ms, about what attention over them takes; a whole paged decode step at that size is still 3.8x the
+contiguous one, for reasons outside the gather not yet profiled. A fused paged-attention kernel (vLLM's)
 reads the blocks in place; plain PyTorch cannot without one.
 
-Slots are numbered block_id * block_size + offset: the pool is stored slot-major, so a write indexes
-slots (index_copy_) and a gather indexes blocks of a (num_blocks, block_size, K, D) view of the same memory.
+Slots are numbered block_id * block_size + offset. The pool is stored head-major, (L, K, N, D): a write
+indexes slots (index_copy_), and a gather picks whole blocks of a (K, num_blocks, block_size * D) view with
+one index_select, so each kv head's keys for a row come out as one contiguous (S, D) matrix, batched in
+(K, B) order. That order matters: batched matmuls over a strided gather (rows K * D apart) ran 8x slower
+than over contiguous keys on a CPU, and one_query_attention (model.py) reads (K, B)-ordered keys as they are.
 
 Shapes: L layers, N pool slots (num_blocks x block_size), K kv heads, D head_dim,
 B rows, T new tokens per row, S keys attended per row.
@@ -38,9 +41,9 @@ class PagedKVCache:
 
     def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, device=None, dtype=torch.float32):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (config.num_hidden_layers, num_blocks * block_size, config.num_key_value_heads, config.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, N, K, D)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, N, K, D)
+        shape = (config.num_hidden_layers, config.num_key_value_heads, num_blocks * block_size, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
@@ -69,15 +72,16 @@ class PagedView:
         """
         B, K, T, D = k.shape
         flat = self.write_slots.reshape(B * T)
-        # (B, K, T, D) -> (B, T, K, D) -> (B*T, K, D): one row per token, in the pool's slot-major layout
-        self.cache.keys[layer].index_copy_(0, flat, k.transpose(1, 2).reshape(B * T, K, D))
-        self.cache.values[layer].index_copy_(0, flat, v.transpose(1, 2).reshape(B * T, K, D))
+        # (B, K, T, D) -> (K, B, T, D) -> (K, B*T, D): one column per token, in the pool's head-major layout
+        self.cache.keys[layer].index_copy_(1, flat, k.transpose(0, 1).reshape(K, B * T, D))
+        self.cache.values[layer].index_copy_(1, flat, v.transpose(0, 1).reshape(K, B * T, D))
         return self._gather(self.cache.keys[layer]), self._gather(self.cache.values[layer])
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
-        # Index whole blocks, not single slots: one index per block_size tokens, each a contiguous run.
+        # Whole blocks, not single slots: one index per block_size tokens, each a contiguous run.
+        K, _, D = pool.shape
         bs = self.cache.block_size
-        blocks = pool.view(-1, bs, *pool.shape[1:])  # (num_blocks, bs, K, D)
         B, W = self.read_blocks.shape
-        rows = blocks[self.read_blocks].view(B, W * bs, *pool.shape[1:])  # (B, W*bs, K, D)
-        return rows.transpose(1, 2)  # (B, K, W*bs, D)
+        blocks = pool.view(K, -1, bs * D)  # (K, num_blocks, bs*D)
+        rows = torch.index_select(blocks, 1, self.read_blocks.reshape(B * W)).view(K, B, W * bs, D)
+        return rows.transpose(0, 1)  # (B, K, S, D) as a view: contiguous in (K, B) order
