@@ -103,7 +103,9 @@ def one_query_attention(q, k, v, mask=None):
     mask = None if mask is None else mask.view(B, 1, 1, -1)  # (B, 1, 1, S)
     # Batch over the order the keys are stored in: a paged gather hands them over head-major, and a
     # batched matmul over strided keys is several times slower than over contiguous ones.
-    head_major = B > 1 and not k.is_contiguous() and k.transpose(0, 1).is_contiguous()
+    # Head-major: kv heads outermost in memory, each head's (S, D) keys in rows of D (a slice of the
+    # gathered slots keeps both, so this is not `is_contiguous()`).
+    head_major = B > 1 and k.stride(1) > k.stride(0) and k.stride(2) == D and k.stride(3) == 1
     if head_major:  # (K, B, ...) throughout, q made contiguous in that order (it is small)
         q, k, v = q.transpose(0, 1).contiguous(), k.transpose(0, 1), v.transpose(0, 1)
         mask = None if mask is None else mask.transpose(0, 1)

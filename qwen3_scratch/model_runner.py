@@ -41,10 +41,12 @@ class ModelRunner:
     def decode(self, chunks: list[Chunk]) -> torch.Tensor:
         """The newest token of every row at once -> logits (B, V)."""
         lengths = [chunk.end for chunk in chunks]  # keys per row, the new token's included
-        S = max(lengths)
+        tables = self.block_tables([c.seq.block_table for c in chunks], max(lengths))  # (B, W)
+        # Attend over every gathered slot (S = W x block_size), the padding masked: the gathered keys
+        # then reach attention whole, contiguous per kv head, with no slice (see paged_cache.py).
+        S = tables.shape[1] * self.cache.block_size
         tokens = torch.tensor([[c.seq.token_ids[c.start]] for c in chunks], device=self.device)  # (B, 1)
         positions = torch.tensor([[c.start] for c in chunks], device=self.device)  # (B, 1)
-        tables = self.block_tables([c.seq.block_table for c in chunks], S)  # (B, W)
         write = self.slots(tables, positions)  # (B, 1): the new token's own slot
         keys = torch.arange(S, device=self.device)
         valid = keys[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # (B, S)

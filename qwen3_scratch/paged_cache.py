@@ -17,8 +17,8 @@ key/value once; the gather reads it, writes a dense copy, and attention reads th
 memory traffic of the attention's own reads, per layer per step. At short contexts decode is dominated
 by reading the weights and this is small; it grows with context x batch. Measured on the 0.6B shapes
 (bf16, CPU, docs/performance.md "Serving"): gathering one layer's keys for 16 rows x 512 tokens takes
-~2.8 ms, about what attention over them takes; a whole paged decode step at that size is still 3.8x the
-contiguous one, for reasons outside the gather not yet profiled. A fused paged-attention kernel (vLLM's)
+~2.8 ms, about what attention over them takes; a whole paged decode step at that size is 2.2x the
+contiguous one (0.80 s against 0.37 s; bf16). A fused paged-attention kernel (vLLM's)
 reads the blocks in place; plain PyTorch cannot without one.
 
 Slots are numbered block_id * block_size + offset. The pool is stored head-major, (L, K, N, D): a write

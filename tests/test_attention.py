@@ -13,15 +13,17 @@ from qwen3_scratch.weights import load_model
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(16, 8), (8, 2), (4, 4)])
 @pytest.mark.parametrize("masked", [True, False])
-@pytest.mark.parametrize("layout", ["batch-major", "head-major"])  # head-major: what the paged gather returns
+@pytest.mark.parametrize("layout", ["batch-major", "head-major", "head-major, sliced"])  # the paged gather's
 def test_one_query_attention_equals_sdpa(dtype, tolerance, heads, kv_heads, masked, layout):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     B, S, D = 3, 37, 64
     q = torch.randn(B, heads, 1, D, generator=g).to(dtype)
     if layout == "batch-major":
         k, v = (torch.randn(B, kv_heads, S, D, generator=g).to(dtype) for _ in range(2))
-    else:  # (K, B, S, D) storage seen as (B, K, S, D)
-        k, v = (torch.randn(kv_heads, B, S, D, generator=g).to(dtype).transpose(0, 1) for _ in range(2))
+    else:  # (K, B, S', D) storage seen as (B, K, S', D), then cut to the S keys attended
+        extra = 5 if layout.endswith("sliced") else 0
+        k, v = (torch.randn(kv_heads, B, S + extra, D, generator=g).to(dtype).transpose(0, 1)[:, :, :S]
+                for _ in range(2))  # fmt: skip
     mask = (torch.rand(B, 1, 1, S, generator=g) > 0.3) if masked else None
     if masked:
         mask[..., 0] = True  # every row sees at least one key
