@@ -79,8 +79,8 @@ class LLM:
         self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                              verify=verify)  # fmt: skip
         device = pick_device(device)
-        # The layout Pipeline.load uses: q/k/v and gate/up fused, matrices prepacked on a CPU (fuse.py).
-        self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), optimize=True)
+        # Laid out for batches: q/k/v and gate/up fused, matrices prepacked on a CPU (fuse.py).
+        self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), optimize="batch")
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.generation_config = load_generation_config(self.checkpoint)
         if num_blocks is None:

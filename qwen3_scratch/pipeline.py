@@ -135,7 +135,7 @@ class Pipeline:
                                     verify=verify)  # fmt: skip
         device = pick_device(device)
         tokenizer = Tokenizer.from_checkpoint(folder)
-        weights = load_model(folder, device, pick_dtype(dtype, device), optimize=True, quantize=quantize)
+        weights = load_model(folder, device, pick_dtype(dtype, device), optimize="decode", quantize=quantize)
         return cls(weights, tokenizer, folder)
 
     @property

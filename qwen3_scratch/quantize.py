@@ -19,6 +19,7 @@ from torch import nn
 
 from .errors import CheckpointError
 from .fuse import in_moe_block
+from .matvec import kernel, matvec_int8, one_row, unavailable_reason
 from .model import Qwen3
 
 SCHEMES = ("int8",)
@@ -50,14 +51,20 @@ class Int8Linear(nn.Module):
         self.weight = nn.Parameter(q, requires_grad=False)  # (N, K) int8
         self.scales = nn.Parameter(scales.to(dtype), requires_grad=False)  # (N,)
         self.bias = linear.bias
+        self.kernel = None  # on a CPU where inductor works: the compiled one-row loop (matvec.py)
+        if q.device.type == "cpu" and unavailable_reason() is None:
+            self.kernel = kernel(matvec_int8, torch.empty(1, self.in_features, dtype=dtype), q, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if self.kernel is not None and one_row(x, self.in_features):
+            y = self.kernel(x.reshape(1, self.in_features).contiguous(), self.weight, self.scales)  # (N,)
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif x.is_cuda:
             # Dequantize inside the matmul's input: under torch.compile the int8 -> bf16 cast fuses into
             # the GEMV's weight load (gpt-fast's path); eagerly it costs one bf16 copy of the matrix.
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales
         else:
-            # torch's CPU kernel for exactly this: int8 weights, per-row scales, float activations.
+            # several rows (prefill, batches): torch's CPU kernel for int8 weights and per-row scales
             y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias

@@ -27,6 +27,7 @@ from .config import DTYPES, Qwen3Config
 from .errors import CheckpointError, printable
 from .files import read_json
 from .fuse import fuse_projections, prepack_for_cpu
+from .matvec import can_use_matvec, use_matvec
 from .model import Qwen3
 from .quantize import SCHEMES, quantize_model
 # hub.py imports DamagedFile and read_raw_header from here
@@ -220,13 +221,16 @@ def load_tensor(entry: TensorEntry, device, dtype) -> torch.Tensor:
     return tensor.to(device=device, dtype=dtype)
 
 
-def load_model(path, device="cpu", dtype=torch.float32, optimize=False, quantize=None) -> Qwen3:
+def load_model(path, device="cpu", dtype=torch.float32, optimize=None, quantize=None) -> Qwen3:
     """Build Qwen3 from a checkpoint folder; returns the model in eval mode on `device` in `dtype`.
 
-    optimize: after the strict load, fuse q/k/v and gate/up and prepack the matrices for the CPU's
-        matmul library (fuse.py): faster decode, logits equal up to float rounding.
+    optimize: None keeps the checkpoint's layout (the parity suite's reference). After the strict load,
+        "decode" lays the model out for one sequence at a time, "batch" for batches (see optimize_layout);
+        either way logits equal the checkpoint layout's up to float rounding.
     quantize: "int8" stores every matrix as int8 with per-row scales computed now (quantize.py).
     """
+    if optimize not in LAYOUTS:
+        raise ValueError(f"optimize={optimize!r}: use one of {LAYOUTS}")
     if quantize is not None and quantize not in SCHEMES:
         raise CheckpointError(f"--quantize {quantize!r} is not supported; use one of {', '.join(SCHEMES)}")
     folder = Path(path)
@@ -260,10 +264,27 @@ def load_model(path, device="cpu", dtype=torch.float32, optimize=False, quantize
     if tied_head:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.build_rope_tables(device, dtype)
+    return optimize_layout(model, optimize, quantize).eval()
+
+
+LAYOUTS = (None, "decode", "batch")
+
+
+def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None) -> Qwen3:
+    """Load-time transforms for speed; checkpoint keys, the strict load and its errors are untouched.
+
+    "decode" (one sequence, the CLI and chat): on a CPU, one-row products run compiled loops over the
+    checkpoint's own matrices (matvec.py), which read weights near the memory bandwidth and copy
+    nothing. "batch" (several rows per step, serving): q/k/v and gate/up fused into one matrix each and
+    every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has many rows.
+    Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch".
+    """
+    if optimize == "decode" and quantize is None and can_use_matvec(model):
+        return use_matvec(model)
     if optimize:
         fuse_projections(model)
     if quantize is not None:
-        quantize_model(model, quantize)
+        quantize_model(model, quantize)  # its one-row products on a CPU are compiled loops too
     if optimize:
         prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
-    return model.eval()
+    return model

@@ -49,13 +49,15 @@ from qwen3_scratch.weights import load_model  # noqa: E402
 OURS = {  # our engines: generate_tokens arguments
     "recompute": dict(use_cache=False),
     "plain": dict(use_cache=True),
+    "packed": dict(use_cache=True),
     "cache": dict(use_cache=True),
     "int8": dict(use_cache=True),
     "compiled": dict(use_cache=True, compile=True),
 }
-LAYOUTS = {  # load_model arguments: "plain" keeps the checkpoint's layout; the others load as the Pipeline does
-    "recompute": {}, "plain": {},
-    "cache": dict(optimize=True), "int8": dict(optimize=True, quantize="int8"), "compiled": dict(optimize=True),
+LAYOUTS = {  # load_model arguments: "plain" keeps the checkpoint's layout, "packed" is serving's (LLM's),
+    "recompute": {}, "plain": {}, "packed": dict(optimize="batch"),  # the others load as the Pipeline does
+    "cache": dict(optimize="decode"), "int8": dict(optimize="decode", quantize="int8"),
+    "compiled": dict(optimize="decode"),
 }  # fmt: skip
 ENGINES = ("transformers", *OURS, "llamacpp")
 GREEDY = SamplingParams(temperature=0.0)

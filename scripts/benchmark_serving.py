@@ -161,7 +161,7 @@ def main(argv=None):
     print(f"machine: {info}\ncommand: python scripts/benchmark_serving.py {' '.join(argv or sys.argv[1:])}", flush=True)
     dtype = pick_dtype(args.dtype, "cpu")
     info["dtype"] = dtype
-    model = load_model(args.checkpoint, dtype=dtype, optimize=True)  # the layout LLM and Pipeline load
+    model = load_model(args.checkpoint, dtype=dtype, optimize="batch")  # the layout LLM loads
     vocab = model.config.vocab_size
     low, high = (int(x) for x in args.prompt_tokens.split(","))
     prompts = random_prompts(args.requests, low, high, vocab)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 NAMES = {"transformers": "transformers `generate`", "plain": "ours, KV cache, checkpoint layout",
-         "cache": "ours, KV cache (fused + prepacked: the default)", "int8": "ours, int8 weights",
+         "packed": "ours, KV cache, fused + prepacked (serving's layout)",
+         "cache": "ours, KV cache, compiled matvec (the default)", "int8": "ours, int8 weights",
          "recompute": "ours, full recompute", "llamacpp": "llama.cpp (llama-cpp-python)"}  # fmt: skip
 
 

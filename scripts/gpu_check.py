@@ -148,7 +148,7 @@ def decode_worker(size: str, device: str, weights: Path, new_tokens: int, out: P
             if moe:
                 model = random_moe_model(size, device, quantize)
             else:
-                model = load_model(folder, device, "bfloat16", optimize=True, quantize=quantize)
+                model = load_model(folder, device, "bfloat16", optimize="decode", quantize=quantize)
         except Exception as e:  # noqa: BLE001 - recorded, and the next variant runs
             record["results"][name] = {"error": f"load: {type(e).__name__}: {e}"}
             continue

@@ -29,11 +29,11 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
-    model = load_model(args.checkpoint, "cpu", "bfloat16", optimize=True)
+    model = load_model(args.checkpoint, "cpu", "bfloat16", optimize="decode")
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     bf16 = model(ids).float()[0]  # (T, V)
     del model
-    int8 = load_model(args.checkpoint, "cpu", "bfloat16", optimize=True, quantize="int8")(ids).float()[0]
+    int8 = load_model(args.checkpoint, "cpu", "bfloat16", optimize="decode", quantize="int8")(ids).float()[0]
     agree = (bf16.argmax(-1) == int8.argmax(-1)).float().mean().item()
     worst = ((int8 - bf16).abs().max() / bf16.abs().max()).item()
     per_row = ((int8 - bf16).abs().amax(-1) / bf16.abs().amax(-1)).median().item()

@@ -5,7 +5,8 @@
     python scripts/profile_decode.py --dtypes bfloat16 --layouts optimized,int8 --steps 20
 
 For each layout (plain: load_model as transformers' layout, one F.linear per checkpoint matrix;
-optimized: q/k/v and gate/up fused and prepacked for oneDNN, as the Pipeline loads; int8: optimized +
+packed: q/k/v and gate/up fused and prepacked for oneDNN, as serving (LLM) loads; optimized: the
+checkpoint's matrices multiplied by compiled one-row loops (matvec.py), as the Pipeline loads; int8: +
 int8 weights) it prefills a prompt, then times --steps decode steps with a clock around every op:
 each projection, the norms, RoPE, the KV-cache write, attention (SDPA), lm_head and the sampler.
 Per op: ms per step (median over the steps), bytes it reads per step (its weights; attention: the
@@ -38,7 +39,8 @@ from qwen3_scratch.model import RMSNorm  # noqa: E402
 from qwen3_scratch.sampling import SamplingParams, sample  # noqa: E402
 from qwen3_scratch.weights import load_model  # noqa: E402
 
-LAYOUTS = {"plain": {}, "optimized": dict(optimize=True), "int8": dict(optimize=True, quantize="int8")}
+LAYOUTS = {"plain": {}, "packed": dict(optimize="batch"), "optimized": dict(optimize="decode"),
+           "int8": dict(optimize="decode", quantize="int8")}
 PROJECTIONS = {"q_proj": "q/k/v", "k_proj": "q/k/v", "v_proj": "q/k/v", "qkv_proj": "q/k/v", "o_proj": "o",
                "gate_proj": "gate/up", "up_proj": "gate/up", "gate_up_proj": "gate/up", "down_proj": "down",
                "lm_head": "lm_head"}  # fmt: skip
@@ -89,6 +91,9 @@ def attach(model, clock: OpClock) -> None:
     # SDPA reads the context's keys and values: (B, K, S, D) each
     sdpa = clock.timed("attention (SDPA)", F.scaled_dot_product_attention, lambda q, k, v, **kw: k.nbytes + v.nbytes)
     model_module.F = type("F", (), {"scaled_dot_product_attention": staticmethod(sdpa), "silu": F.silu})
+    model_module.one_query_attention = clock.timed(  # CPU decode in bf16 attends this way instead
+        "attention (SDPA)", model_module.one_query_attention, lambda q, k, v, mask=None: k.nbytes + v.nbytes
+    )
     KVCache.update = clock.timed("kv-cache write", KVCache.update)
 
 
@@ -115,12 +120,12 @@ def profile_layout(path: Path, dtype: str, layout: str, steps: int, prompt_len: 
     return {"clock": clock, "untimed_s": statistics.median(untimed), "steps": steps}
 
 
-ORIGINALS = (model_module.apply_rope, model_module.F, KVCache.update)
+ORIGINALS = (model_module.apply_rope, model_module.F, KVCache.update, model_module.one_query_attention)
 
 
 def restore() -> None:
     """Undo attach's wraps of module-level functions (wrapped modules die with their model)."""
-    model_module.apply_rope, model_module.F, KVCache.update = ORIGINALS
+    model_module.apply_rope, model_module.F, KVCache.update, model_module.one_query_attention = ORIGINALS
 
 
 def print_table(result: dict, dtype: str, layout: str, bandwidth: float) -> None:

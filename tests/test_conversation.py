@@ -157,7 +157,7 @@ def test_an_int8_model_chats_with_its_cache_in_the_activations_dtype(checkpoint)
     from qwen3_scratch.generate import generate_tokens
     from qwen3_scratch.sampling import SamplingParams
 
-    model = load_model(checkpoint, dtype="bfloat16", optimize=True, quantize="int8")
+    model = load_model(checkpoint, dtype="bfloat16", optimize="decode", quantize="int8")
     pipe = Pipeline(model, Tokenizer.from_checkpoint(checkpoint), checkpoint)
     messages = []
     for text in ["Hello! How are you today?", "Please summarize that."]:

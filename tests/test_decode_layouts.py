@@ -1,14 +1,18 @@
-"""The load-time decode layouts (fused + prepacked matrices, int8 weights) keep the model's answers:
-fp32 logits as transformers' to 1e-5, bf16 greedy tokens as transformers', int8 logits as the model
-whose matrices are the same int8 weights dequantized. Speed is in scripts/, not here."""
+"""The load-time layouts (compiled one-row products for decode, fused + prepacked matrices for batches,
+int8 weights) keep the model's answers: fp32 logits as transformers' to 1e-5, bf16 greedy tokens as
+transformers', int8 logits as the model whose matrices are the same int8 weights dequantized. Decode's
+one-row products take another path than a prompt's, so each is checked on both. Speed is in scripts/."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from checkpoints import assert_logits_match, build_checkpoint, load_reference
 from qwen3_scratch.errors import CheckpointError
-from qwen3_scratch.generate import generate_tokens
+from qwen3_scratch import matvec as matvec_module
+from qwen3_scratch.generate import CachedLoop, PaddedBatch, generate_tokens
+from qwen3_scratch.matvec import MatvecLinear
 from qwen3_scratch.quantize import Int8Linear, dequantized_weight, quantize_rows
 from qwen3_scratch.sampling import SamplingParams
 from qwen3_scratch.weights import load_model
@@ -30,19 +34,41 @@ def ids(batch=2, length=48, seed=0):
     return torch.randint(0, 512, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("untied", [False, True])
-def test_fused_prepacked_fp32_logits_match_transformers(tmp_path, tied, untied):
-    path = build_checkpoint(tmp_path, tie_word_embeddings=False) if untied else tied
-    model = load_model(path, dtype=torch.float32, optimize=True)
+def check_layout(model, optimize):
     layer = model.model.layers[0]
+    if optimize == "decode":
+        assert isinstance(model.lm_head, MatvecLinear) and isinstance(layer.self_attn.q_proj, MatvecLinear)
+        return
     assert hasattr(layer.self_attn, "qkv_proj") and not hasattr(layer.self_attn, "q_proj"), "q/k/v were not fused"
     assert hasattr(layer.mlp, "gate_up_proj") and not hasattr(layer.mlp, "gate_proj"), "gate/up were not fused"
+
+
+def decode_logits(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """Next-token logits (steps, V) for positions prompt_len-1.., the rest fed one token per decode step."""
+    loop = CachedLoop(model, PaddedBatch.left_pad([tokens[:prompt_len]], 0, "cpu"), len(tokens) - prompt_len)
+    logits = [loop.start()]
+    for token in tokens[prompt_len:]:
+        logits.append(loop.step(torch.tensor([token])))
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("optimize", ["decode", "batch"])
+@pytest.mark.parametrize("untied", [False, True])
+def test_optimized_fp32_logits_match_transformers_in_prefill_and_decode(tmp_path, tied, untied, optimize):
+    path = build_checkpoint(tmp_path, tie_word_embeddings=False) if untied else tied
+    model = load_model(path, dtype=torch.float32, optimize=optimize)
+    check_layout(model, optimize)
     x = ids()
-    assert_logits_match(model(x), load_reference(path)(x).logits, f"optimized layout, untied={untied}")
+    reference = load_reference(path)(x).logits
+    assert_logits_match(model(x), reference, f"{optimize} layout, untied={untied}, prefill")
+    steps = decode_logits(model, x[0].tolist(), prompt_len=40)  # 8 one-row steps
+    assert_logits_match(steps, reference[0, 39:], f"{optimize} layout, untied={untied}, decode steps")
 
 
-def test_fused_prepacked_bf16_greedy_tokens_equal_transformers(bf16_checkpoint):
-    model = load_model(bf16_checkpoint, dtype="bfloat16", optimize=True)
+@pytest.mark.parametrize("optimize", ["decode", "batch"])
+def test_optimized_bf16_greedy_tokens_equal_transformers(bf16_checkpoint, optimize):
+    model = load_model(bf16_checkpoint, dtype="bfloat16", optimize=optimize)
+    check_layout(model, optimize)
     reference = load_reference(bf16_checkpoint, dtype=torch.bfloat16)
     x = ids(batch=4, length=64)
     agree = (model(x).argmax(-1) == reference(x).logits.argmax(-1)).float().mean().item()
@@ -50,7 +76,38 @@ def test_fused_prepacked_bf16_greedy_tokens_equal_transformers(bf16_checkpoint):
     prompt = ids(1, 12, seed=3)
     ours = torch.cat(list(generate_tokens(model, prompt.tolist(), 16, GREEDY, ignore_eos=True))).tolist()
     theirs = reference.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, 12:].tolist()
-    assert ours == theirs, "bf16 greedy tokens differ from transformers' with the optimized layout"
+    assert ours == theirs, f"bf16 greedy tokens differ from transformers' with the {optimize} layout"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(48, 64), (37, 100), (1, 5)])  # rows, cols: tails of the SIMD loop too
+def test_compiled_one_row_product_equals_linear(shape, dtype):
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    linear = nn.Linear(shape[1], shape[0], bias=False)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    layer = MatvecLinear(linear)
+    x = torch.randn(1, 1, shape[1]).to(dtype)
+    exact = (x.double() @ weight.double().T).to(dtype)  # one rounding of the exact sum
+    ours = layer(x)
+    assert ours.shape == (1, 1, shape[0]) and ours.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7  # fp32 summation order; one bf16 rounding step
+    assert torch.allclose(ours.double(), exact.double(), rtol=tolerance, atol=tolerance), "one-row product is wrong"
+    rows = torch.randn(1, 3, shape[1]).to(dtype)
+    assert torch.equal(layer(rows), F.linear(rows, weight)), "several rows should take F.linear's path"
+
+
+def test_decode_layout_falls_back_to_the_packed_one_when_inductor_cannot_build(tied, monkeypatch):
+    monkeypatch.setattr(matvec_module, "unavailable_reason", lambda: "InvalidCxxCompiler: no working C++ compiler")
+    with pytest.warns(UserWarning, match="compiled CPU decode kernels are unavailable .*InvalidCxxCompiler"):
+        model = load_model(tied, dtype=torch.float32, optimize="decode")
+    check_layout(model, "batch")
+    x = ids()
+    assert_logits_match(model(x), load_reference(tied)(x).logits, "fallback layout")
+
+
+def test_unknown_layout_is_refused(tied):
+    with pytest.raises(ValueError, match="optimize='fast': use one of"):
+        load_model(tied, optimize="fast")
 
 
 def test_optimized_loading_still_checks_every_checkpoint_key(tmp_path):
@@ -62,7 +119,7 @@ def test_optimized_loading_still_checks_every_checkpoint_key(tmp_path):
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"no tensor model\.layers\.1\.self_attn\.k_proj\.weight"):
-        load_model(path, optimize=True, quantize="int8")
+        load_model(path, optimize="decode", quantize="int8")
 
 
 def dequantized_reference(path, dtype):
@@ -75,13 +132,17 @@ def dequantized_reference(path, dtype):
     return model
 
 
-@pytest.mark.parametrize("optimize", [False, True])
+@pytest.mark.parametrize("optimize", [None, "decode"])
 def test_int8_logits_equal_the_dequantized_weights_reference(tied, optimize):
     model = load_model(tied, dtype=torch.float32, quantize="int8", optimize=optimize)
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.weight.dtype == torch.int8
+    assert model.lm_head.kernel is not None, "one-row int8 products should run the compiled loop here"
     assert model.model.embed_tokens.weight.dtype == torch.float32, "the embedding lookup stays unquantized"
     x = ids()
-    assert_logits_match(model(x), dequantized_reference(tied, torch.float32)(x), f"int8, optimize={optimize}")
+    reference = dequantized_reference(tied, torch.float32)(x)
+    assert_logits_match(model(x), reference, f"int8, optimize={optimize}, prefill")
+    steps = decode_logits(model, x[0].tolist(), prompt_len=40)
+    assert_logits_match(steps, reference[0, 39:], f"int8, optimize={optimize}, decode steps")
 
 
 def test_int8_rows_round_trip_within_half_a_step():
@@ -101,8 +162,8 @@ def dequantized_weight_of(q, scales):
 def test_int8_against_bf16_argmax_agreement(bf16_checkpoint):
     """What int8 costs in accuracy on the tiny checkpoint (the 0.6B figures are in docs/performance.md)."""
     x = ids(batch=4, length=64)
-    bf16 = load_model(bf16_checkpoint, dtype="bfloat16", optimize=True)(x).float()
-    int8 = load_model(bf16_checkpoint, dtype="bfloat16", optimize=True, quantize="int8")(x).float()
+    bf16 = load_model(bf16_checkpoint, dtype="bfloat16", optimize="decode")(x).float()
+    int8 = load_model(bf16_checkpoint, dtype="bfloat16", optimize="decode", quantize="int8")(x).float()
     agree = (bf16.argmax(-1) == int8.argmax(-1)).float().mean().item()
     worst = ((int8 - bf16).abs().max() / bf16.abs().max()).item()
     print(f"int8 vs bf16 on the tiny checkpoint: argmax agreement {agree:.1%}, max relative logit diff {worst:.3g}")

@@ -304,7 +304,7 @@ def test_llm_generate_and_chat_in_vllms_shape(checkpoint, model):
 
 def test_an_int8_model_keeps_its_kv_pool_in_the_activations_dtype_and_matches_the_simple_loop(checkpoint, tokenizer):
     # An int8 lm_head's weight is int8; the pool must take the embedding's dtype, or every key is truncated.
-    quantized = load_model(checkpoint, dtype="bfloat16", optimize=True, quantize="int8")
+    quantized = load_model(checkpoint, dtype="bfloat16", optimize="batch", quantize="int8")
     engine = LLMEngine(quantized, tokenizer, eos_ids=[], num_blocks=32, block_size=8)
     assert engine.cache.keys.dtype == torch.bfloat16, f"the KV pool is {engine.cache.keys.dtype}"
     requests = {f"r{i}": (prompt(9 + 5 * i, i), RequestParams(temperature=0, max_tokens=12)) for i in range(3)}

@@ -1,0 +1,123 @@
+"""Matrix-vector products for batch-1 decode on a CPU, compiled by inductor into one streaming loop.
+
+A decode step multiplies one activation row by every weight matrix, so its speed is the speed at
+which those products stream the weights from memory. torch's eager kernels for a single row
+(`F.linear`, `mv`, and oneDNN even with prepacked weights) read bf16 weights at 10-15 GB/s on a Zen 4
+core pair whose copy bandwidth is ~30 GB/s (docs/performance.md). The same product written as plain
+torch ops,
+
+    y[n] = sum_k float(W[n, k]) * float(x[k])            (W.float() * x.float()).sum(-1)
+
+is compiled by inductor into a single loop over W's rows: load a SIMD vector of weights, widen it to
+fp32, multiply-add into two accumulators, one horizontal sum per row, rows split across threads.
+Nothing the size of W is ever made, and W is read at ~the copy bandwidth. int8 weights (quantize.py)
+run the same loop, reading a quarter of fp32's bytes, times the row's scale.
+
+We hand the traced graph to inductor ourselves (`torch._inductor.compile`), once per shape and dtype:
+no dynamo, so no guards are checked on each call (~7 µs a call instead of 25-50, with up to 7 products
+per layer). The first compile in a process takes a few seconds (inductor's imports); each further
+shape ~0.1 s, as inductor keeps the C++ it built on disk. `MatvecLinear` compiles its kernel when the
+model is loaded, so a broken toolchain is found there, and the model falls back to oneDNN (fuse.py).
+
+Exactness: each output is an fp32 sum, as in torch's own kernels, in another order, so fp32 logits
+equal the parity suite's within float rounding (1e-5 relative) and bf16 rounds that sum once.
+
+Shapes: N out_features, K in_features.
+"""
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fuse import in_moe_block
+from .model import Qwen3
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (1, K) times weight (N, K) transposed -> (N,) in x's dtype, summed in fp32."""
+    return (weight.float() * x.float()).sum(-1).to(x.dtype)
+
+
+def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Same, with int8 weight (N, K) and one scale per row (N,): equals x @ (weight * scales[:, None]).T."""
+    return ((weight.float() * x.float()).sum(-1) * scales.float()).to(x.dtype)
+
+
+_KERNELS: dict[tuple, object] = {}  # (function, shapes and dtypes of its arguments) -> compiled callable
+
+
+def kernel(fn, *args: torch.Tensor):
+    """fn compiled for exactly these argument shapes and dtypes, built on first use and kept."""
+    key = (fn.__name__, *((tuple(a.shape), a.dtype) for a in args))
+    compiled = _KERNELS.get(key)
+    if compiled is None:
+        import torch._inductor  # the compiler, imported only by the process that needs it
+
+        examples = [torch.zeros(a.shape, dtype=a.dtype) for a in args]  # contiguous, like every call's
+        compiled = _KERNELS[key] = torch._inductor.compile(torch.fx.symbolic_trace(fn), examples)
+    return compiled
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None if inductor can build CPU kernels here; otherwise why not (no C++ compiler, ...)."""
+    try:
+        x, w = torch.ones(1, 16), torch.ones(16, 16)
+        if not torch.equal(kernel(matvec, x, w)(x, w), torch.full((16,), 16.0)):
+            return "the compiled product gave a wrong answer"
+    except Exception as error:  # any failure of the toolchain means: use the eager kernels
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    return None
+
+
+def one_row(x: torch.Tensor, in_features: int) -> bool:
+    """True when x holds a single activation row on the CPU: batch-1 decode."""
+    return x.device.type == "cpu" and x.numel() == in_features
+
+
+class MatvecLinear(nn.Module):
+    """nn.Linear whose one-row products run the compiled loop; longer inputs (prefill) use F.linear.
+
+    It keeps the same weight tensor (a view of the mapped checkpoint, or the embedding for a tied
+    lm_head): no copy, no new layout, so the model's memory is the checkpoint's.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.split_sizes = getattr(linear, "split_sizes", None)
+        self.kernel = kernel(matvec, torch.empty(1, self.in_features, dtype=self.weight.dtype), self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not one_row(x, self.in_features):
+            return F.linear(x, self.weight, self.bias)
+        y = self.kernel(x.reshape(1, self.in_features).contiguous(), self.weight)  # (N,)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def can_use_matvec(model: Qwen3) -> bool:
+    """A CPU model in a float dtype, and an inductor that builds kernels here (warns once if not)."""
+    weight = model.model.embed_tokens.weight
+    if weight.device.type != "cpu" or weight.dtype not in SUPPORTED_DTYPES:
+        return False
+    reason = unavailable_reason()
+    if reason is not None:
+        warnings.warn(f"compiled CPU decode kernels are unavailable ({reason}); using oneDNN's", stacklevel=2)
+    return reason is None
+
+
+@torch.no_grad()
+def use_matvec(model: Qwen3) -> Qwen3:
+    """Every float nn.Linear (projections, lm_head; not a MoE block's router) becomes a MatvecLinear."""
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear and not in_moe_block(model, name)]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, MatvecLinear(model.get_submodule(name)))
+    return model
