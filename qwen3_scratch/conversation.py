@@ -24,7 +24,7 @@ import torch
 from .chat_parser import Delta, StreamParser, prompt_opens_thinking
 from .errors import GenerationError
 from .generate import CACHE_BLOCK, plan_new_tokens
-from .kv_cache import KVCache, attention_mask
+from .kv_cache import KVCache, attended_slots, attention_mask
 from .model import Qwen3
 from .sampling import NON_FINITE, resolve_sampling_params, sample
 from .tokenizer import Tokenizer
@@ -80,8 +80,9 @@ class ConversationCache:
         device = self.model.device
         # One row and no padding: a token's slot is its RoPE position.
         slots = torch.arange(start, start + len(ids), device=device)  # (T,)
-        # Causal over the filled slots only: stale slots past the end are never seen.
-        mask = attention_mask(slots, self.cache.key_valid[:, : start + len(ids)])  # (1, 1, T, S)
+        # Causal: stale slots past the newest token are never seen, even inside the attended blocks.
+        S = attended_slots(start + len(ids), self.cache.max_len)
+        mask = attention_mask(slots, self.cache.key_valid[:, :S])  # (1, 1, T, S)
         input_ids = torch.tensor([ids], device=device)  # (1, T)
         return self.model(input_ids, slots[None], mask, self.cache, slots, last_only=True)[:, -1]  # (1, V)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import GenerationError
-from .kv_cache import KVCache, attention_mask
+from .kv_cache import KVCache, attended_slots, attention_mask
 from .model import Qwen3
 from .sampling import SamplingParams, sample
 
@@ -137,9 +137,10 @@ class CachedLoop:
         self.next_slot += 1
         if self.compiled:  # fixed shapes: attend over every slot, the unwritten ones masked
             return self.decode_step(self.model, tokens[:, None], self.positions, self.cache, slot)
-        # eager: attend over the slots written so far, so a step costs what the context costs,
-        # not what max_new_tokens reserved
-        mask = attention_mask(slot, self.cache.key_valid[:, : self.next_slot])  # (B, 1, 1, S)
+        # eager: attend over the slots written so far (in whole blocks), so a step costs what the
+        # context costs, not what max_new_tokens reserved
+        S = attended_slots(self.next_slot, self.cache.max_len)
+        mask = attention_mask(slot, self.cache.key_valid[:, :S])  # (B, 1, 1, S)
         return self.decode_step(self.model, tokens[:, None], self.positions, self.cache, slot, mask)
 
 

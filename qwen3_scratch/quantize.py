@@ -53,11 +53,11 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.kernel = None  # on a CPU where inductor works: the compiled one-row loop (matvec.py)
         if q.device.type == "cpu" and unavailable_reason() is None:
-            self.kernel = kernel(matvec_int8, torch.empty(1, self.in_features, dtype=dtype), q, self.scales)
+            self.kernel = kernel(matvec_int8, torch.empty(1, self.in_features), q, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and one_row(x, self.in_features):
-            y = self.kernel(x.reshape(1, self.in_features).contiguous(), self.weight, self.scales)  # (N,)
+            y = self.kernel(x.reshape(1, self.in_features).float().contiguous(), self.weight, self.scales)  # (N,)
             y = y.view(*x.shape[:-1], self.out_features)
         elif x.is_cuda:
             # Dequantize inside the matmul's input: under torch.compile the int8 -> bf16 cast fuses into
