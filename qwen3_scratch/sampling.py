@@ -166,7 +166,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """
     finite = torch.isfinite(logits).all(dim=-1)  # (B,)
     if params.greedy:
-        return torch.where(finite, logits.argmax(dim=-1), NON_FINITE)  # first index on ties: deterministic
+        # first index on ties: deterministic. Widening to fp32 is exact and leaves the order alone; on a
+        # CPU torch's argmax over 151936 bf16 logits takes ~0.57 ms, over their fp32 copy ~0.19 ms.
+        return torch.where(finite, logits.float().argmax(dim=-1), NON_FINITE)
     probs = filter_logits(logits, params).softmax(dim=-1)  # (B, V) float32
     finite &= torch.isfinite(probs).all(dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
