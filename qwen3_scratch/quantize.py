@@ -57,7 +57,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and one_row(x, self.in_features):
-            y = self.kernel(x.reshape(1, self.in_features).float().contiguous(), self.weight, self.scales)  # (N,)
+            product = matvec_int8 if torch.compiler.is_compiling() else self.kernel  # traced, or compiled here
+            y = product(x.reshape(1, self.in_features).float().contiguous(), self.weight, self.scales)  # (N,)
             y = y.view(*x.shape[:-1], self.out_features)
         elif x.is_cuda:
             # Dequantize inside the matmul's input: under torch.compile the int8 -> bf16 cast fuses into

