@@ -57,15 +57,23 @@ def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
 _KERNELS: dict[tuple, object] = {}  # (function, shapes and dtypes of its arguments) -> compiled callable
 
 
-def kernel(fn, *args: torch.Tensor):
-    """fn compiled for exactly these argument shapes and dtypes, built on first use and kept."""
-    key = (fn.__name__, *((tuple(a.shape), a.dtype) for a in args))
+def kernel(fn, *args: torch.Tensor, **constants):
+    """fn(*args, **constants) compiled for exactly these argument shapes and dtypes (and constants),
+    built on first use and kept. Every call must pass contiguous tensors of those shapes and dtypes.
+
+    Rounding as in eager mode: each explicit cast to bf16 rounds there (emulate_precision_casts), so a
+    compiled chain of ops gives the eager chain's bits where the sums run in the same order.
+    """
+    key = (fn.__qualname__, *((tuple(a.shape), a.dtype) for a in args), *sorted(constants.items()))
     compiled = _KERNELS.get(key)
     if compiled is None:
         import torch._inductor  # the compiler, imported only by the process that needs it
+        from torch.fx.experimental.proxy_tensor import make_fx
 
         examples = [torch.zeros(a.shape, dtype=a.dtype) for a in args]  # contiguous, like every call's
-        compiled = _KERNELS[key] = torch._inductor.compile(torch.fx.symbolic_trace(fn), examples)
+        graph = make_fx(lambda *tensors: fn(*tensors, **constants))(*examples)
+        options = {"emulate_precision_casts": True}
+        compiled = _KERNELS[key] = torch._inductor.compile(graph, examples, options=options)
     return compiled
 
 

@@ -32,12 +32,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()  # the mean of squares overflows/underflows in bf16, so normalise in fp32
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast back *before* multiplying by the weight: that is the order Qwen3 was trained with,
-        # and the order transformers uses, so bf16 results match bit for bit.
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()  # the mean of squares overflows/underflows in bf16, so normalise in fp32
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    # Cast back *before* multiplying by the weight: that is the order Qwen3 was trained with,
+    # and the order transformers uses, so bf16 results match bit for bit.
+    return weight * x.to(dtype)
 
 
 class Attention(nn.Module):
@@ -71,6 +75,11 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # norm first, then rotate
+        return self.o_proj(self.attend(q, k, v, mask, cache, cache_slots))  # (B, T, C)
+
+    def attend(self, q, k, v, mask=None, cache: KVCache | None = None, cache_slots=None):
+        """q (B, H, T, D), k, v (B, K, T, D) -> (B, T, H*D): through the cache when there is one."""
+        B, _, T, _ = q.shape
         if cache is not None:
             k, v = cache.update(self.layer_index, k, v, cache_slots)  # (B, K, max_len, D)
             # Attend over as many slots as the mask has columns: the slots written so far in eager
@@ -84,8 +93,7 @@ class Attention(nn.Module):
             # enable_gqa lets each group of H/K query heads read its shared kv head without copying it.
             # SDPA computes the softmax in fp32 even for bf16 inputs.
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
-        return self.o_proj(y)  # (B, T, C)
+        return y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
 
 
 def one_query_attention(q, k, v, mask=None):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .config import DTYPES, Qwen3Config
+from .cpu_decode import use_cpu_decoder_layers
 from .errors import CheckpointError, printable
 from .files import read_json
 from .fuse import fuse_projections, prepack_for_cpu
@@ -279,8 +280,10 @@ def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None) ->
     every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has many rows.
     Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch".
     """
-    if optimize == "decode" and quantize is None and can_use_matvec(model):
-        return use_matvec(model)
+    if optimize == "decode" and can_use_matvec(model):
+        use_cpu_decoder_layers(model)  # and the ops between the products, a few compiled kernels a layer
+        if quantize is None:
+            return use_matvec(model)
     if optimize:
         fuse_projections(model)
     if quantize is not None:

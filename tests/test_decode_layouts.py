@@ -12,7 +12,9 @@ from checkpoints import assert_logits_match, build_checkpoint, load_reference
 from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch import matvec as matvec_module
 from qwen3_scratch.generate import CachedLoop, PaddedBatch, generate_tokens
+from qwen3_scratch.cpu_decode import CPUDecoderLayer
 from qwen3_scratch.matvec import MatvecLinear
+from qwen3_scratch.model import DecoderLayer
 from qwen3_scratch.quantize import Int8Linear, dequantized_weight, quantize_rows
 from qwen3_scratch.sampling import SamplingParams
 from qwen3_scratch.weights import load_model
@@ -95,6 +97,24 @@ def test_compiled_one_row_product_equals_linear(shape, dtype):
     assert torch.allclose(ours.double(), exact.double(), rtol=tolerance, atol=tolerance), "one-row product is wrong"
     rows = torch.randn(1, 3, shape[1]).to(dtype)
     assert torch.equal(layer(rows), F.linear(rows, weight)), "several rows should take F.linear's path"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dtype):
+    """cpu_decode's kernels between the products keep eager's roundings: bf16 bit for bit; fp32 within
+    the float rounding of fused multiply-adds."""
+    model = load_model(bf16_checkpoint if dtype == torch.bfloat16 else tied, dtype=dtype, optimize="decode")
+    assert all(type(layer) is CPUDecoderLayer for layer in model.model.layers)
+    tokens = ids(1, 40, seed=5)[0].tolist()
+    fast = decode_logits(model, tokens, prompt_len=20).float()
+    for layer in model.model.layers:
+        layer.__class__ = DecoderLayer
+    eager = decode_logits(model, tokens, prompt_len=20).float()
+    if dtype == torch.bfloat16:
+        assert torch.equal(fast, eager), "bf16 decode logits differ between the compiled and the eager layers"
+    else:
+        worst = ((fast - eager).abs().max() / eager.abs().max()).item()
+        assert worst < 1e-6, f"fp32 decode logits differ by {worst:.2g} of the largest"
 
 
 def test_decode_layout_falls_back_to_the_packed_one_when_inductor_cannot_build(tied, monkeypatch):

@@ -1,0 +1,87 @@
+"""A decoder layer's batch-1 decode step on a CPU, in a dozen calls instead of ~60.
+
+Once the matrix-vector products stream weights near the memory bandwidth (matvec.py), what is left
+of a decode step is everything between them: two RMSNorms, the q/k norms, RoPE, two residual adds
+and the SwiGLU gate are ~45 eager ops a layer on vectors of 1024 numbers, each a few microseconds of
+dispatch. Here each run of those ops between two products is one compiled kernel (matvec.kernel:
+inductor, no guards), so a layer is:
+
+    norm -> q/k/v products -> [q/k norm + RoPE] -> cache + attention (the model's own) -> o product
+    -> [residual + norm] -> gate/up products -> [SwiGLU] -> down product -> residual
+
+The maths is the model's: the kernels trace model.rms_norm, rope.apply_rope and F.silu in the same
+order and dtypes, with eager's roundings to bf16: bf16 logits are bit-identical to the eager layers'
+(tests/test_decode_layouts.py). Everything that is not a batch-1 decode step on a CPU (prefill,
+batches, the GPU) runs DecoderLayer.forward unchanged.
+
+What it buys is modest: bf16 decode at the 0.6B shapes 15.03 -> 15.72 tok/s (median of 8 alternating
+rounds, +5%), int8 +6% (docs/performance.md). The rest of a step that is not weight reads is the
+attention's two small matmuls (bf16: ~100 µs each a layer) and time outside any op.
+
+Shapes: C hidden_size, H query heads, K kv heads, D head_dim, F intermediate_size.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .matvec import kernel
+from .model import MLP, DecoderLayer, Qwen3, rms_norm
+from .rope import apply_rope
+
+
+def heads(q, k, v, q_weight, k_weight, cos, sin, *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+    """Attention.forward's steps between the projections and the cache, for one token of one row:
+    q (1, 1, H*D), k, v (1, 1, K*D) -> per-head, normed, rotated q (1, H, 1, D), k, v (1, K, 1, D)."""
+    q = rms_norm(q.view(1, 1, n_heads, head_dim), q_weight, eps).transpose(1, 2)  # (1, H, 1, D)
+    k = rms_norm(k.view(1, 1, n_kv_heads, head_dim), k_weight, eps).transpose(1, 2)  # (1, K, 1, D)
+    v = v.view(1, 1, n_kv_heads, head_dim).transpose(1, 2)  # (1, K, 1, D)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def residual_norm(x, y, weight, *, eps: float):
+    """The residual add and the next norm: x + y and rms_norm(x + y), (1, 1, C) each."""
+    x = x + y
+    return x, rms_norm(x, weight, eps)
+
+
+def swiglu(gate, up):
+    return F.silu(gate) * up  # (1, 1, F)
+
+
+class CPUDecoderLayer(DecoderLayer):
+    """DecoderLayer with a fast path for one token of one row on a CPU (the class swapped in at load)."""
+
+    def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
+        if x.shape[:2] != (1, 1) or cache is None or x.device.type != "cpu":
+            return super().forward(x, cos, sin, mask, cache, cache_slots)
+        attn, mlp = self.self_attn, self.mlp
+        eps = self.input_layernorm.eps
+        h = self.kernel(rms_norm, x, self.input_layernorm.weight, eps=eps)
+        q, k, v = attn.project_qkv(h)  # (1, 1, H*D), (1, 1, K*D), (1, 1, K*D)
+        shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
+        q, k, v = self.kernel(heads, q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, **shape)
+        y = attn.o_proj(attn.attend(q, k, v, mask, cache, cache_slots))  # (1, 1, C)
+        x, h = self.kernel(residual_norm, x, y, self.post_attention_layernorm.weight, eps=eps)
+        if not isinstance(mlp, MLP):  # a mixture of experts keeps its own forward (moe.py)
+            return x + mlp(h)
+        if hasattr(mlp, "gate_up_proj"):
+            gate, up = mlp.gate_up_proj(h).split(mlp.gate_up_proj.split_sizes, dim=-1)
+        else:
+            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        return x + mlp.down_proj(self.kernel(swiglu, gate.contiguous(), up.contiguous()))
+
+    def kernel(self, fn, *args, **constants):
+        """fn's compiled kernel, looked up once per layer and function (every decode step has the same
+        shapes), called on contiguous arguments as compiled."""
+        kernels = self.__dict__.setdefault("_kernels", {})
+        compiled = kernels.get(fn)
+        if compiled is None:
+            compiled = kernels[fn] = kernel(fn, *args, **constants)
+        return compiled(*(a.contiguous() for a in args))
+
+
+def use_cpu_decoder_layers(model: Qwen3) -> Qwen3:
+    """Give every layer the fast decode path (the modules and their weights stay as they are)."""
+    for layer in model.model.layers:
+        layer.__class__ = CPUDecoderLayer
+    return model
