@@ -52,8 +52,8 @@ class CPUDecoderLayer(DecoderLayer):
     """DecoderLayer with a fast path for one token of one row on a CPU (the class swapped in at load)."""
 
     def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
-        if x.shape[:2] != (1, 1) or cache is None or x.device.type != "cpu":
-            return super().forward(x, cos, sin, mask, cache, cache_slots)
+        if x.shape[:2] != (1, 1) or cache is None or x.device.type != "cpu" or torch.compiler.is_compiling():
+            return super().forward(x, cos, sin, mask, cache, cache_slots)  # torch.compile traces the plain maths
         attn, mlp = self.self_attn, self.mlp
         eps = self.input_layernorm.eps
         h = self.kernel(rms_norm, x, self.input_layernorm.weight, eps=eps)

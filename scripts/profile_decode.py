@@ -33,6 +33,7 @@ for folder in (HERE.parent, HERE):
 from make_shape_checkpoint import default_out, make_shape_checkpoint  # noqa: E402
 
 from qwen3_scratch import model as model_module  # noqa: E402
+from qwen3_scratch.cpu_decode import CPUDecoderLayer  # noqa: E402
 from qwen3_scratch.generate import CachedLoop, PaddedBatch  # noqa: E402
 from qwen3_scratch.kv_cache import KVCache  # noqa: E402
 from qwen3_scratch.model import RMSNorm  # noqa: E402
@@ -95,6 +96,8 @@ def attach(model, clock: OpClock) -> None:
         "attention (SDPA)", model_module.one_query_attention, lambda q, k, v, mask=None: k.nbytes + v.nbytes
     )
     KVCache.update = clock.timed("kv-cache write", KVCache.update)
+    # the decode layout's compiled kernels between the products (cpu_decode.py): norms, RoPE, residual, SwiGLU
+    CPUDecoderLayer.kernel = clock.timed("norms, RoPE, residuals, SwiGLU (compiled)", CPUDecoderLayer.kernel)
 
 
 def profile_layout(path: Path, dtype: str, layout: str, steps: int, prompt_len: int) -> dict:
@@ -120,12 +123,14 @@ def profile_layout(path: Path, dtype: str, layout: str, steps: int, prompt_len: 
     return {"clock": clock, "untimed_s": statistics.median(untimed), "steps": steps}
 
 
-ORIGINALS = (model_module.apply_rope, model_module.F, KVCache.update, model_module.one_query_attention)
+ORIGINALS = (model_module.apply_rope, model_module.F, KVCache.update, model_module.one_query_attention,
+             CPUDecoderLayer.kernel)
 
 
 def restore() -> None:
     """Undo attach's wraps of module-level functions (wrapped modules die with their model)."""
-    model_module.apply_rope, model_module.F, KVCache.update, model_module.one_query_attention = ORIGINALS
+    (model_module.apply_rope, model_module.F, KVCache.update, model_module.one_query_attention,
+     CPUDecoderLayer.kernel) = ORIGINALS
 
 
 def print_table(result: dict, dtype: str, layout: str, bandwidth: float) -> None:
