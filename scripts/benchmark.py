@@ -282,8 +282,8 @@ def benchmark_size(size: str, args, device: str, dtype: torch.dtype, engines: li
         dtype_name = "int8" if args.llamacpp_q8 else str(dtype).removeprefix("torch.")
         runs = time_llamacpp(path, dtype_name, prompt, args.new_tokens, torch.get_num_threads(), args.repeats)
         results["llamacpp"] = median_run([Run(len(r["tokens"]), r["ttft_s"], r["total_s"], r["tokens"]) for r in runs])
-    if step_bytes is None:  # only transformers or llama.cpp: the same weights in the same dtype
-        model = load_model(path, device, dtype)
+    if step_bytes is None:  # only transformers or llama.cpp: the same weights in the same dtype (Q8_0: int8)
+        model = load_model(path, device, dtype, quantize="int8" if args.llamacpp_q8 else None)
         step_bytes = bytes_per_decode_step(model, model.config, mean_context, 1)
         del model
     return {"size": size, "checkpoint": str(path), "bytes_per_step": step_bytes, "mean_context": mean_context,
