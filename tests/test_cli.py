@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from cli_helpers import assert_one_line_error, cli
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch.cli import main
 from qwen3_scratch.pipeline import GenerationRequest, Pipeline, pick_dtype
 from qwen3_scratch.tokenizer import Tokenizer
 from qwen3_scratch.weights import load_model
@@ -23,24 +23,6 @@ STATS_KEYS = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "tiny-qwen3")
-
-
-def cli(capsys, *args):
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as e:  # argparse's own errors (a flag of the wrong type) exit from parse_args
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *needles):
-    assert code == 2, f"bad input must exit 2, got {code}"
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in lines[0], f"{needle!r} missing from: {lines[0]}"
 
 
 def test_greedy_cli_output_equals_the_python_api(tiny, capsys):

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
+from cli_helpers import cli
 from make_tiny_checkpoint import CHAT_TEMPLATE_FILE, make_tiny_checkpoint
-from qwen3_scratch.cli import main
 from qwen3_scratch.pipeline import GenerationRequest, Pipeline
 from qwen3_scratch.tokenizer import Tokenizer
 from qwen3_scratch.weights import load_model
@@ -34,12 +34,6 @@ def thinking_tiny(tiny, tmp_path_factory):
     opened = template.replace(NO_THINKING, NO_THINKING + "    {%- else %}\n        {{- '<think>\\n' }}\n")
     (folder / "chat_template.jinja").write_text(opened)  # wins over tokenizer_config.json's copy
     return folder
-
-
-def cli(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def stat(err, key):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import cli
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch.cli import EXAMPLES, build_parser, main
+from qwen3_scratch.cli import EXAMPLES, build_parser
 from qwen3_scratch.inputs import stdin_waiting
 from qwen3_scratch.pipeline import GenerationRequest, Pipeline, pick_dtype
 
@@ -24,15 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("first-hour") / "weights" / "tiny-qwen3")
-
-
-def cli(capsys, *args):
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as e:  # argparse's own errors and --help/--version exit from parse_args
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_help_gives_every_flag_a_text_and_its_default():

@@ -27,9 +27,9 @@ from huggingface_hub import constants, snapshot_download
 from transformers import AutoModelForCausalLM
 
 from checkpoints import build_checkpoint, load_reference
+from cli_helpers import assert_one_line_error, cli
 from fake_hub import COMMIT, GATED, make_hf_hermetic, serve_fake_hub
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch.cli import main
 from qwen3_scratch.download import PARTIAL_DIR, DownloadLimits
 from qwen3_scratch.errors import CheckpointError, HubError
 from qwen3_scratch.hub import resolve_checkpoint, verify_checkpoint
@@ -565,23 +565,6 @@ def test_ctrl_c_during_a_download_exits_at_once_with_one_line_and_leaves_it_resu
 
 
 # --- the command line: --revision, --verify, and bad input as one line ---------------------------------------
-
-
-def cli(capsys, *args):
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *needles):
-    assert code == 2, f"bad input must exit 2, got {code}"
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, f"expected one line on stderr, got:\n{err}"
-    for needle in needles:
-        assert needle in lines[0], f"{needle!r} missing from: {lines[0]}"
 
 
 @pytest.fixture
