@@ -18,6 +18,7 @@ no dynamo, so no guards are checked on each call (~7 µs a call instead of 25-50
 per layer). The first compile in a process takes a few seconds (inductor's imports); each further
 shape ~0.1 s, as inductor keeps the C++ it built on disk. `MatvecLinear` compiles its kernel when the
 model is loaded, so a broken toolchain is found there, and the model falls back to oneDNN (fuse.py).
+`kernel` compiles any small function this way; cpu_decode.py uses it for the ops between products.
 
 Exactness: each output is an fp32 sum, as in torch's own kernels, in another order, so fp32 logits
 equal the parity suite's within float rounding (1e-5 relative) and bf16 rounds that sum once.
