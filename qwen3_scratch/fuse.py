@@ -91,12 +91,15 @@ def prepack_for_cpu(model: Qwen3) -> Qwen3:
     """
     if not can_prepack(model):
         return model
+    return replace_linears(model, PackedLinear)
+
+
+def replace_linears(model: Qwen3, build) -> Qwen3:
+    """Every nn.Linear outside a MoE block (the projections and lm_head) becomes build(linear), in place."""
     # names, not modules: holding every replaced module in a list would keep all the old matrices alive
     # until the loop ends (a second copy of the model); this way each is freed as soon as it is replaced
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear and not in_moe_block(model, name)]
     for name in names:
         parent_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(name)
-        setattr(model.get_submodule(parent_name), attr, PackedLinear(module))
-        del module
+        setattr(model.get_submodule(parent_name), attr, build(model.get_submodule(name)))
     return model

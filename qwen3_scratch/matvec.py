@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fuse import in_moe_block
+from .fuse import replace_linears
 from .model import Qwen3
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -88,7 +88,8 @@ def unavailable_reason() -> str | None:
         if not torch.equal(kernel(matvec, x, w)(x, w), torch.full((16,), 16.0)):
             return "the compiled product gave a wrong answer"
     except Exception as error:  # any failure of the toolchain means: use the eager kernels
-        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return f"{type(error).__name__}: {first_line}"
     return None
 
 
@@ -135,8 +136,4 @@ def can_use_matvec(model: Qwen3) -> bool:
 @torch.no_grad()
 def use_matvec(model: Qwen3) -> Qwen3:
     """Every float nn.Linear (projections, lm_head; not a MoE block's router) becomes a MatvecLinear."""
-    names = [name for name, module in model.named_modules() if type(module) is nn.Linear and not in_moe_block(model, name)]
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, MatvecLinear(model.get_submodule(name)))
-    return model
+    return replace_linears(model, MatvecLinear)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import CheckpointError
-from .fuse import in_moe_block
+from .fuse import replace_linears
 from .matvec import kernel, matvec_int8, one_row, unavailable_reason
 from .model import Qwen3
 
@@ -77,15 +77,7 @@ def quantize_model(model: Qwen3, scheme: str = "int8") -> Qwen3:
     if scheme not in SCHEMES:
         raise CheckpointError(f"--quantize {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
     dtype = model.model.embed_tokens.weight.dtype
-    # names, not modules: holding every replaced module in a list would keep all the old matrices alive
-    # until the loop ends (a second copy of the model); this way each is freed as soon as it is replaced
-    names = [name for name, module in model.named_modules() if type(module) is nn.Linear and not in_moe_block(model, name)]
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(name)
-        setattr(model.get_submodule(parent_name), attr, Int8Linear(module, dtype))
-        del module
-    return model
+    return replace_linears(model, lambda linear: Int8Linear(linear, dtype))
 
 
 def dequantized_weight(layer: Int8Linear) -> torch.Tensor:
