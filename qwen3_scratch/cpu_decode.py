@@ -24,6 +24,7 @@ Shapes: C hidden_size, H query heads, K kv heads, D head_dim, F intermediate_siz
 import torch
 import torch.nn.functional as F
 
+from .kv_cache import KVCache, attention_mask
 from .matvec import kernel
 from .model import MLP, DecoderLayer, Qwen3, rms_norm
 from .rope import apply_rope
@@ -80,8 +81,16 @@ class CPUDecoderLayer(DecoderLayer):
         return compiled(*(a.contiguous() for a in args))
 
 
+@torch.no_grad()
 def use_cpu_decoder_layers(model: Qwen3) -> Qwen3:
-    """Give every layer the fast decode path (the modules and their weights stay as they are)."""
+    """Give every layer the fast decode path (the modules and their weights stay as they are), and
+    build its kernels now, by running one layer on one token: at load, not as a ~1 s stall after the
+    first generated token. The other layers find them built (matvec.kernel keeps them)."""
     for layer in model.model.layers:
         layer.__class__ = CPUDecoderLayer
+    C, dtype = model.config.hidden_size, model.activation_dtype
+    cache = KVCache(model.config, 1, 1, model.device, dtype)  # one slot, thrown away
+    slot = torch.zeros(1, dtype=torch.long)
+    cos, sin = model.rope_cos[slot][None], model.rope_sin[slot][None]  # (1, 1, D): position 0
+    model.model.layers[0](torch.zeros(1, 1, C, dtype=dtype), cos, sin, attention_mask(slot, cache.key_valid), cache, slot)
     return model

@@ -280,14 +280,16 @@ def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None) ->
     every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has many rows.
     Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch".
     """
-    if optimize == "decode" and can_use_matvec(model):
+    cpu_decode = optimize == "decode" and can_use_matvec(model)
+    if cpu_decode and quantize is None:
+        use_matvec(model)
+    else:
+        if optimize:
+            fuse_projections(model)
+        if quantize is not None:
+            quantize_model(model, quantize)  # its one-row products on a CPU are compiled loops too
+        if optimize:
+            prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
+    if cpu_decode:
         use_cpu_decoder_layers(model)  # and the ops between the products, a few compiled kernels a layer
-        if quantize is None:
-            return use_matvec(model)
-    if optimize:
-        fuse_projections(model)
-    if quantize is not None:
-        quantize_model(model, quantize)  # its one-row products on a CPU are compiled loops too
-    if optimize:
-        prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
     return model
