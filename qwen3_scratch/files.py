@@ -9,7 +9,7 @@ that are not UTF-8, JSON that is invalid or nested deeply enough to exhaust Pyth
 import json
 from pathlib import Path
 
-from .errors import CheckpointError, printable
+from qwen3_scratch.errors import CheckpointError, printable
 
 # The largest legitimate one is a tokenizer_config.json with a long template (~10 KB) or a large
 # model's index (~100 KB); anything near this bound is not what its name says.

@@ -23,7 +23,6 @@ Shapes: B batch (1 here), T prompt tokens, V vocab.
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -38,13 +37,14 @@ for folder in (ROOT, HERE):  # run as a script from anywhere
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+from machine import machine  # noqa: E402
 from make_shape_checkpoint import default_out, make_shape_checkpoint  # noqa: E402
 
-from qwen3_scratch.config import DTYPES, Qwen3Config  # noqa: E402
-from qwen3_scratch.generate import CachedLoop, PaddedBatch, RecomputeLoop, generate_tokens  # noqa: E402
-from qwen3_scratch.sampling import SamplingParams  # noqa: E402
-from qwen3_scratch.stats import bytes_per_decode_step, measure_bandwidth, synchronize  # noqa: E402
-from qwen3_scratch.weights import load_model  # noqa: E402
+from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
+from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, RecomputeLoop, generate_tokens  # noqa: E402
+from qwen3_scratch.generation.stats import bytes_per_decode_step, measure_bandwidth, synchronize  # noqa: E402
+from qwen3_scratch.model.config import DTYPES, Qwen3Config  # noqa: E402
+from qwen3_scratch.sampling.logits import LogitsFilter  # noqa: E402
 
 OURS = {  # our engines: generate_tokens arguments
     "recompute": dict(use_cache=False),
@@ -60,7 +60,7 @@ LAYOUTS = {  # load_model arguments: "plain" keeps the checkpoint's layout, "pac
     "compiled": dict(optimize="decode"),
 }  # fmt: skip
 ENGINES = ("transformers", *OURS, "llamacpp")
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = LogitsFilter(temperature=0.0)
 SWEEP_STEPS = 5  # decode steps timed per length; the median is kept
 RECOMPUTE_SWEEP_REPEATS = 3  # a recompute step is one long forward, so fewer repeats suffice
 
@@ -372,18 +372,6 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def machine(device: str, bandwidth: float) -> dict:
-    import transformers
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__}
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    info["bandwidth_gb_s"] = round(bandwidth / 1e9, 1)  # stats.measure_bandwidth: a large copy, (read + write) / time
-    return info
 
 
 # ---- command line --------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ for folder in (ROOT, HERE):  # run as a script from anywhere
 
 from make_shape_checkpoint import default_out, make_shape_checkpoint  # noqa: E402
 
-from qwen3_scratch.conversation import ConversationCache, common_prefix_length  # noqa: E402
-from qwen3_scratch.weights import load_model  # noqa: E402
+from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
+from qwen3_scratch.generation.conversation import ConversationCache, common_prefix_length  # noqa: E402
 
 # Qwen3's control tokens and the ids of "user", "assistant" and "\n" in its vocabulary
 IM_START, IM_END, THINK, END_THINK = 151644, 151645, 151667, 151668

@@ -19,7 +19,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +35,7 @@ CLIENT = r"""
 import json, sys, time
 from pathlib import Path
 from huggingface_hub import snapshot_download
-from qwen3_scratch.hub import resolve_checkpoint
+from qwen3_scratch.checkpoint.hub import resolve_checkpoint
 which, endpoint, out = sys.argv[1:]
 start = time.perf_counter()
 if which == "ours":

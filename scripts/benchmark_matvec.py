@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qwen3_scratch.matvec import kernel, matvec, matvec_int8  # noqa: E402
-from qwen3_scratch.quantize import quantize_rows  # noqa: E402
-from qwen3_scratch.stats import measure_bandwidth  # noqa: E402
+from qwen3_scratch.generation.stats import measure_bandwidth  # noqa: E402
+from qwen3_scratch.kernels.matvec import kernel, matvec, matvec_int8  # noqa: E402
+from qwen3_scratch.kernels.quantize import quantize_rows  # noqa: E402
 
 SHAPES = {"q/k/v (4096x1024)": (4096, 1024, 28), "o (1024x2048)": (1024, 2048, 28),
           "gate/up (6144x1024)": (6144, 1024, 28), "down (1024x3072)": (1024, 3072, 28),

@@ -31,11 +31,12 @@ for folder in (ROOT, HERE):  # run as a script from anywhere
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from benchmark import load_transformers, machine, random_prompt, time_ours, time_transformers  # noqa: E402
+from benchmark import load_transformers, random_prompt, time_ours, time_transformers  # noqa: E402
+from machine import machine  # noqa: E402
 from make_shape_checkpoint import make_shape_checkpoint  # noqa: E402
 
-from qwen3_scratch.stats import _BANDWIDTH_CACHE, bytes_per_decode_step, measure_bandwidth, weight_bytes  # noqa: E402
-from qwen3_scratch.weights import load_model  # noqa: E402
+from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
+from qwen3_scratch.generation.stats import _BANDWIDTH_CACHE, bytes_per_decode_step, measure_bandwidth, weight_bytes  # noqa: E402
 
 SIZE = "30B-A3B"
 ENGINES = ("transformers", "ours")

@@ -26,13 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from qwen3_scratch.engine import LLMEngine  # noqa: E402
-from qwen3_scratch.generate import CachedLoop, PaddedBatch, generate_tokens  # noqa: E402
-from qwen3_scratch.params import RequestParams  # noqa: E402
-from qwen3_scratch.sampling import SamplingParams as LogitsFilter  # noqa: E402
-from qwen3_scratch.scheduler import Chunk, Sequence  # noqa: E402
-from qwen3_scratch.pipeline import pick_dtype  # noqa: E402
-from qwen3_scratch.weights import load_model  # noqa: E402
+from qwen3_scratch.checkpoint.placement import pick_dtype  # noqa: E402
+from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
+from qwen3_scratch.engine.engine import LLMEngine  # noqa: E402
+from qwen3_scratch.engine.scheduler import Chunk, Sequence  # noqa: E402
+from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, generate_tokens  # noqa: E402
+from qwen3_scratch.sampling.logits import LogitsFilter  # noqa: E402
+from qwen3_scratch.sampling.params import SamplingParams  # noqa: E402
 
 
 def random_prompts(n, low, high, vocab, seed=0):
@@ -52,7 +52,7 @@ def one_at_a_time(model, prompts, new_tokens):
 
 def run_engine(engine, prompts, new_tokens):
     """All requests arrive at once; returns output tokens/s and per-request (ttft, tpot) in seconds."""
-    params = RequestParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, params)
@@ -97,7 +97,7 @@ def paged_vs_contiguous(model, batch, context, repeats=5):
     prompts = random_prompts(batch, context + 1, context + 1, model.config.vocab_size, seed=7)
     chunks = []
     for i, ids in enumerate(prompts):
-        seq = Sequence(str(i), ids, len(ids), RequestParams(), 4, frozenset())
+        seq = Sequence(str(i), ids, len(ids), SamplingParams(), 4, frozenset())
         seq.block_table, _ = engine.blocks.allocate(ids)
         chunks.append(Chunk(seq, context, context + 1))  # the newest token, after `context` cached ones
     paged = min(timed(lambda: engine.runner.decode(chunks)) for _ in range(repeats))
@@ -143,7 +143,7 @@ def parse_args(argv=None):
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared system prompt for the prefix-cache test")
     p.add_argument("--prefix-repeats", type=int, default=2)
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--dtype", default="auto", help="auto: what LLM picks on this CPU (pipeline.pick_dtype); both engines use it")
+    p.add_argument("--dtype", default="auto", help="auto: what LLM picks on this CPU (checkpoint.placement.pick_dtype); both engines use it")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's); 1 avoids barrier stalls on a busy machine")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "serving_cpu_0.6B.json"))

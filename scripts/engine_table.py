@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from machine import machine
+
 HERE = Path(__file__).resolve().parent
 NAMES = {"transformers": "transformers `generate`", "plain": "ours, KV cache, checkpoint layout",
          "packed": "ours, KV cache, fused + prepacked (serving's layout)",
@@ -56,15 +58,13 @@ def run_cell(engine: str, dtype: str, args, workdir: Path) -> dict | None:
 
 
 def fresh_bandwidth() -> float:
-    from qwen3_scratch import stats
+    from qwen3_scratch.generation import stats
 
     stats._BANDWIDTH_CACHE.clear()
     return stats.measure_bandwidth("cpu")
 
 
 def run_table(args, argv: list[str]) -> None:
-    from benchmark import machine
-
     engines = (args.engines or "transformers,plain,cache,int8").split(",")
     dtypes = args.table_dtypes.split(",")
     todo = cells(engines, dtypes)

@@ -47,7 +47,13 @@ def write_checkpoint(size: str, folder: Path, device: str) -> Path:
     """Random weights of the exact shapes, drawn on `device` (fast on a GPU), one shard at a time."""
     import torch
     from make_shape_checkpoint import (
-        GB, generation_config, plan_shards, shape_config, shard_file_names, tensor_shapes, write_json,
+        GB,
+        generation_config,
+        plan_shards,
+        shape_config,
+        shard_file_names,
+        tensor_shapes,
+        write_json,
     )  # fmt: skip
     from safetensors.torch import save_file
 
@@ -83,10 +89,11 @@ def random_moe_model(size: str, device: str, quantize: str | None):
     """
     import torch
     from make_shape_checkpoint import shape_config
-    from qwen3_scratch.config import Qwen3Config
-    from qwen3_scratch.fuse import fuse_projections
-    from qwen3_scratch.model import Qwen3
-    from qwen3_scratch.quantize import quantize_model
+
+    from qwen3_scratch.kernels.fuse import fuse_projections
+    from qwen3_scratch.kernels.quantize import quantize_model
+    from qwen3_scratch.model.config import Qwen3Config
+    from qwen3_scratch.model.qwen3 import Qwen3
 
     config = Qwen3Config.from_dict(shape_config("30B-A3B" if size == "tiny-moe" else size, "bfloat16",
                                                 TINY_MOE if size == "tiny-moe" else None))  # fmt: skip
@@ -107,12 +114,13 @@ def random_moe_model(size: str, device: str, quantize: str | None):
 
 def time_decode(model, device: str, compile: bool, new_tokens: int, prompt_len: int = 16) -> dict:
     import torch
-    from qwen3_scratch.generate import generate_tokens
-    from qwen3_scratch.sampling import SamplingParams
-    from qwen3_scratch.stats import synchronize
+
+    from qwen3_scratch.generation.loops import generate_tokens
+    from qwen3_scratch.generation.stats import synchronize
+    from qwen3_scratch.sampling.logits import LogitsFilter
 
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
-    greedy = SamplingParams(temperature=0.0)
+    greedy = LogitsFilter(temperature=0.0)
 
     def run(n):
         start = time.perf_counter()
@@ -134,8 +142,9 @@ def time_decode(model, device: str, compile: bool, new_tokens: int, prompt_len: 
 def decode_worker(size: str, device: str, weights: Path, new_tokens: int, out: Path) -> None:
     """Every (dtype, engine) of one size; each result or error written to `out` as soon as it exists."""
     import torch
-    from qwen3_scratch.stats import bytes_per_decode_step, measure_bandwidth
-    from qwen3_scratch.weights import load_model
+
+    from qwen3_scratch.checkpoint.weights import load_model
+    from qwen3_scratch.generation.stats import bytes_per_decode_step, measure_bandwidth
 
     record = {"size": size, "results": {}}
     start = time.perf_counter()

@@ -20,7 +20,7 @@ for folder in (HERE.parent, HERE):
 
 from make_shape_checkpoint import default_out  # noqa: E402
 
-from qwen3_scratch.weights import load_model  # noqa: E402
+from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
 
 
 def main(argv=None) -> None:

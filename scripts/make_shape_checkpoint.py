@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: `python scripts/make_shape_checkpoint.py`
     sys.path.insert(0, str(ROOT))
 
-from qwen3_scratch.config import DTYPES, Qwen3Config  # noqa: E402
+from qwen3_scratch.checkpoint.weights import read_checkpoint_index  # noqa: E402
 from qwen3_scratch.errors import CheckpointError  # noqa: E402
-from qwen3_scratch.sizes import QWEN3_MOE_SIZES, config_dict, moe_config_dict  # noqa: E402
-from qwen3_scratch.weights import read_checkpoint_index  # noqa: E402
+from qwen3_scratch.model.config import DTYPES, Qwen3Config  # noqa: E402
+from qwen3_scratch.model.sizes import QWEN3_MOE_SIZES, config_dict, moe_config_dict  # noqa: E402
 
 GB = 10**9  # the Hub's "4GB" shards are decimal gigabytes
 DEFAULT_SHARD_GB = 4.0

@@ -15,9 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
 from make_shape_checkpoint import generation_config, write_weights
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 HERE = Path(__file__).resolve().parent
 CHAT_TEMPLATE_FILE = HERE / "qwen3_chat_template.jinja"

@@ -32,13 +32,13 @@ for folder in (HERE.parent, HERE):
 
 from make_shape_checkpoint import default_out, make_shape_checkpoint  # noqa: E402
 
-from qwen3_scratch import model as model_module  # noqa: E402
-from qwen3_scratch.cpu_decode import CPUDecoderLayer  # noqa: E402
-from qwen3_scratch.generate import CachedLoop, PaddedBatch  # noqa: E402
-from qwen3_scratch.kv_cache import KVCache  # noqa: E402
-from qwen3_scratch.model import RMSNorm  # noqa: E402
-from qwen3_scratch.sampling import SamplingParams, sample  # noqa: E402
-from qwen3_scratch.weights import load_model  # noqa: E402
+from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
+from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch  # noqa: E402
+from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer  # noqa: E402
+from qwen3_scratch.model import qwen3 as model_module  # noqa: E402
+from qwen3_scratch.model.kv_cache import KVCache  # noqa: E402
+from qwen3_scratch.model.qwen3 import RMSNorm  # noqa: E402
+from qwen3_scratch.sampling.logits import LogitsFilter, sample  # noqa: E402
 
 LAYOUTS = {"plain": {}, "packed": dict(optimize="batch"), "optimized": dict(optimize="decode"),
            "int8": dict(optimize="decode", quantize="int8")}
@@ -103,7 +103,7 @@ def attach(model, clock: OpClock) -> None:
 def profile_layout(path: Path, dtype: str, layout: str, steps: int, prompt_len: int) -> dict:
     clock = OpClock()
     model = load_model(path, "cpu", dtype, **LAYOUTS[layout])
-    greedy = SamplingParams(temperature=0.0)
+    greedy = LogitsFilter(temperature=0.0)
     sampler = clock.timed("sampling (argmax)", sample)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
     loop = CachedLoop(model, PaddedBatch.left_pad([prompt.tolist()], 0, "cpu"), 2 * steps + 4)
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
 
 def fresh_bandwidth() -> float:
     """measure_bandwidth caches its answer per process; a profile wants it now, beside each table."""
-    from qwen3_scratch import stats
+    from qwen3_scratch.generation import stats
 
     stats._BANDWIDTH_CACHE.clear()
     return stats.measure_bandwidth("cpu")

@@ -1,6 +1,6 @@
 """Running `python -m qwen3_scratch.generate` in-process, and what every bad input must look like."""
 
-from qwen3_scratch.cli import main
+from qwen3_scratch.cli.generate import main
 
 
 def cli(capsys, *args):

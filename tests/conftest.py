@@ -22,7 +22,7 @@ def real_vocab_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_vocab_tokenizer(real_vocab_folder):
     """Our Tokenizer on Qwen3's real vocabulary."""
-    from qwen3_scratch.tokenizer import Tokenizer
+    from qwen3_scratch.text.tokenizer import Tokenizer
 
     return Tokenizer.from_checkpoint(real_vocab_folder)
 

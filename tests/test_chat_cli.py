@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pexpect
 import pytest
-
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch.chat_cli import ReplyPrinter
-from qwen3_scratch.pipeline import GenerationRequest, Pipeline
+
+from qwen3_scratch.cli.chat import ReplyPrinter
+from qwen3_scratch.generation.pipeline import Pipeline
+from qwen3_scratch.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = ["--temperature", "1.0", "--seed", "3", "--ignore-eos"]
-SHORT = GenerationRequest(max_new_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_ctrl_c_stops_the_answer_keeps_it_and_the_session_goes_on(tiny, pipe, tm
 
     # What was kept is exactly the first `generated` tokens' reply, as the API gives it for that length.
     conversation = json.loads(saved.read_text())
-    cut = GenerationRequest(max_new_tokens=generated, temperature=1.0, seed=3, ignore_eos=True)
+    cut = SamplingParams(max_tokens=generated, temperature=1.0, seed=3, ignore_eos=True)
     assert pipe.chat(conversation[:1], cut) == conversation[1]
 
 
@@ -157,7 +158,7 @@ def test_piped_stdin_is_one_turn_per_line_and_a_bad_file_is_one_line(tiny, pipe,
 @pytest.mark.parametrize("flags, needle", [(["--tools", "/no/such/tools.json"], "--tools"),
                                            (["--temperature", "-1"], "--temperature")])  # fmt: skip
 def test_bad_flags_are_one_line_and_exit_2_before_the_model_loads(tiny, capsys, flags, needle):
-    from qwen3_scratch.chat_cli import main
+    from qwen3_scratch.cli.chat import main
 
     code = main(["--model", str(tiny), *flags])
     err = capsys.readouterr().err

@@ -8,10 +8,10 @@ at a time, and the streamed deltas must add up to the whole message.
 import json
 
 import pytest
-
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch.chat_parser import StreamParser, parse_assistant, prompt_opens_thinking
-from qwen3_scratch.tokenizer import Tokenizer
+
+from qwen3_scratch.text.chat_parser import StreamParser, parse_assistant, prompt_opens_thinking
+from qwen3_scratch.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

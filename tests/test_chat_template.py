@@ -4,11 +4,11 @@ import json
 
 import pytest
 import transformers
-
 from make_tiny_checkpoint import CHAT_TEMPLATE_FILE, make_tiny_checkpoint
-from qwen3_scratch.chat import render_chat_template
+
 from qwen3_scratch.errors import ConfigError, Qwen3Error
-from qwen3_scratch.tokenizer import Tokenizer
+from qwen3_scratch.text.chat_template import render_chat_template
+from qwen3_scratch.text.tokenizer import Tokenizer
 
 # Plain ChatML (Qwen2.5-style): a default system prompt, every turn verbatim, no reasoning handling.
 CHATML = (

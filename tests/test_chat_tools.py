@@ -8,7 +8,6 @@ control token stays text in `chat_ids`.
 
 import pytest
 
-
 IM_START, IM_END, TOOL_CALL, END_TOOL_CALL = 151644, 151645, 151657, 151658
 
 WEATHER = {
@@ -144,7 +143,8 @@ def test_raw_encode_keeps_control_tokens_for_prompts_written_by_hand(tokenizer):
 @pytest.fixture(scope="module")
 def tiny_pipeline(tmp_path_factory):
     from make_tiny_checkpoint import make_tiny_checkpoint
-    from qwen3_scratch.pipeline import Pipeline
+
+    from qwen3_scratch.generation.pipeline import Pipeline
 
     return Pipeline.load(str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))), device="cpu")
 

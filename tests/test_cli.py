@@ -7,12 +7,14 @@ import subprocess
 import sys
 
 import pytest
-
 from cli_helpers import assert_one_line_error, cli
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch.pipeline import GenerationRequest, Pipeline, pick_dtype
-from qwen3_scratch.tokenizer import Tokenizer
-from qwen3_scratch.weights import load_model
+
+from qwen3_scratch.checkpoint.placement import pick_dtype
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.generation.pipeline import Pipeline
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.tokenizer import Tokenizer
 
 STATS_KEYS = [
     "prompt_tokens", "generated_tokens", "elapsed_seconds", "tokens_per_second", "ttft_seconds",
@@ -30,7 +32,7 @@ def test_greedy_cli_output_equals_the_python_api(tiny, capsys):
                          "--max-new-tokens", "20")  # fmt: skip
     assert code == 0, err
     pipe = Pipeline.load(tiny, local_files_only=True)  # the same defaults (dtype, layout) as the CLI
-    expected = pipe.generate(["Hello there"], GenerationRequest(max_new_tokens=20, temperature=0))[0]
+    expected = pipe.generate(["Hello there"], SamplingParams(max_tokens=20, temperature=0))[0]
     assert out == expected + "\n"
 
 
@@ -85,7 +87,7 @@ def test_raw_prompt_without_chat_template(tiny, capsys):
     code, raw, _ = cli(capsys, *base, "--no-chat")
     assert code == 0
     pipe = Pipeline(load_model(tiny), Tokenizer.from_checkpoint(tiny), tiny)
-    request = GenerationRequest(max_new_tokens=6, temperature=0, ignore_eos=True)
+    request = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert raw == "".join(pipe.stream("abc", request, chat=False)) + "\n"
     assert raw != cli(capsys, *base)[1], "with the chat template the model sees a different prompt"
 
@@ -159,9 +161,8 @@ def test_module_entry_point_streams_from_stdin(tiny):
 
 def test_hub_id_is_downloaded_into_weights_dir_then_generates(tiny, capsys, tmp_path, monkeypatch):
     """The main path end to end: `--model org/name` downloads (from a fake Hub here), verifies, generates."""
-    from huggingface_hub import constants
-
     from fake_hub import make_hf_hermetic, serve_fake_hub
+    from huggingface_hub import constants
 
     make_hf_hermetic(tmp_path, monkeypatch)
     weights = tmp_path / "weights"

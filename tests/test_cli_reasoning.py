@@ -8,12 +8,13 @@ writes is reasoning, until a </think> it never writes.
 import shutil
 
 import pytest
-
 from cli_helpers import cli
 from make_tiny_checkpoint import CHAT_TEMPLATE_FILE, make_tiny_checkpoint
-from qwen3_scratch.pipeline import GenerationRequest, Pipeline
-from qwen3_scratch.tokenizer import Tokenizer
-from qwen3_scratch.weights import load_model
+
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.generation.pipeline import Pipeline
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.tokenizer import Tokenizer
 
 NO_THINKING = "{{- '<think>\\n\\n</think>\\n\\n' }}\n"
 TOOL = {"type": "function", "function": {"name": "get_time", "description": "Time now in a city",
@@ -59,7 +60,7 @@ def test_answer_without_reasoning_counts_zero_reasoning_tokens(tiny, capsys):
     assert code == 0, err
     assert stat(err, "reasoning_tokens") == "0"
     pipe = Pipeline(load_model(tiny), Tokenizer.from_checkpoint(tiny), tiny)
-    request = GenerationRequest(max_new_tokens=6, seed=1, ignore_eos=True)
+    request = SamplingParams(max_tokens=6, seed=1, ignore_eos=True)
     reply = pipe.chat([{"role": "user", "content": "Hi"}], request, thinking=False)
     assert out == reply["content"] + "\n", "--hide-thinking prints the answer of Pipeline.chat"
 

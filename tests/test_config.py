@@ -110,7 +110,7 @@ def test_missing_or_broken_config_json_names_the_file(tmp_path):
 
 from dataclasses import fields  # noqa: E402
 
-from qwen3_scratch.config import CONFIG_RULES, SPECIAL_FIELDS, YARN_RULES, RopeScaling  # noqa: E402
+from qwen3_scratch.model.config import CONFIG_RULES, SPECIAL_FIELDS, YARN_RULES, RopeScaling  # noqa: E402
 
 YARN_1M = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}
 # Qwen3-235B-A22B's sizes (as a dense config: we check only the shared fields) with a 1M-token YaRN context.

@@ -9,15 +9,16 @@ computes?); that our ids equal transformers' own template ids is the tokenizer t
 
 import pytest
 import torch
-
 from checkpoints import assert_logits_match, build_checkpoint, load_reference
 from make_tiny_checkpoint import CHAT_TEMPLATE_FILE, tokenizer_config, train_tiny_tokenizer, write_json
-from qwen3_scratch.conversation import ConversationCache, common_prefix_length
-from qwen3_scratch.pipeline import GenerationRequest, Pipeline
-from qwen3_scratch.tokenizer import Tokenizer
-from qwen3_scratch.weights import load_model
 
-GREEDY = GenerationRequest(max_new_tokens=12, temperature=0)
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.generation.conversation import ConversationCache, common_prefix_length
+from qwen3_scratch.generation.pipeline import Pipeline
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_greedy_turns_equal_transformers_generate_turn_by_turn(pipe, reference):
         if turn:
             assert conversation.last_stats.reused_tokens > 0, f"turn {turn + 1} must reuse the cache"
         out = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=GREEDY.max_new_tokens, do_sample=False,
+            torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
             eos_token_id=pipe.eos_ids, pad_token_id=pipe.tokenizer.pad_token_id,
         )  # fmt: skip
         theirs = out[0, len(prompt) :].tolist()
@@ -132,7 +133,7 @@ def test_greedy_turns_equal_transformers_generate_turn_by_turn(pipe, reference):
 
 def test_stream_pieces_add_up_to_the_message_and_closing_early_keeps_the_tokens_so_far(pipe):
     messages = [user("Count to ten.")]
-    request = GenerationRequest(max_new_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    request = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
     pieces = list(pipe.chat_stream(messages, request))
     full = pipe.conversation.last_message
     assert len(pieces) > 3, "the test needs an answer that streams in several pieces"
@@ -154,8 +155,8 @@ def test_stream_pieces_add_up_to_the_message_and_closing_early_keeps_the_tokens_
 def test_an_int8_model_chats_with_its_cache_in_the_activations_dtype(checkpoint):
     """With int8 weights, two reused turns give the simple loop's greedy tokens on the same prompts (a KV
     cache in the int8 lm_head's dtype would truncate every key and drift), and the cache is bf16."""
-    from qwen3_scratch.generate import generate_tokens
-    from qwen3_scratch.sampling import SamplingParams
+    from qwen3_scratch.generation.loops import generate_tokens
+    from qwen3_scratch.sampling.logits import LogitsFilter
 
     model = load_model(checkpoint, dtype="bfloat16", optimize="decode", quantize="int8")
     pipe = Pipeline(model, Tokenizer.from_checkpoint(checkpoint), checkpoint)
@@ -164,7 +165,7 @@ def test_an_int8_model_chats_with_its_cache_in_the_activations_dtype(checkpoint)
         messages.append(user(text))
         messages.append(pipe.chat(messages, GREEDY))
         conversation = pipe.conversation
-        alone = [int(t[0]) for t in generate_tokens(model, [conversation.last_prompt], GREEDY.max_new_tokens,
-                                                     SamplingParams(temperature=0.0), pipe.eos_ids)]  # fmt: skip
+        alone = [int(t[0]) for t in generate_tokens(model, [conversation.last_prompt], GREEDY.max_tokens,
+                                                     LogitsFilter(temperature=0.0), pipe.eos_ids)]  # fmt: skip
         assert conversation.last_ids == alone, "a chat turn on int8 weights differs from the simple loop"
     assert conversation.cache.cache.keys.dtype == torch.bfloat16

@@ -6,20 +6,20 @@ one-row products take another path than a prompt's, so each is checked on both. 
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import assert_logits_match, build_checkpoint, load_reference
 from torch import nn
 
-from checkpoints import assert_logits_match, build_checkpoint, load_reference
+from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.errors import CheckpointError
-from qwen3_scratch import matvec as matvec_module
-from qwen3_scratch.generate import CachedLoop, PaddedBatch, generate_tokens
-from qwen3_scratch.cpu_decode import CPUDecoderLayer
-from qwen3_scratch.matvec import MatvecLinear
-from qwen3_scratch.model import DecoderLayer
-from qwen3_scratch.quantize import Int8Linear, dequantized_weight, quantize_rows
-from qwen3_scratch.sampling import SamplingParams
-from qwen3_scratch.weights import load_model
+from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, generate_tokens
+from qwen3_scratch.kernels import matvec as matvec_module
+from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer
+from qwen3_scratch.kernels.matvec import MatvecLinear
+from qwen3_scratch.kernels.quantize import Int8Linear, dequantized_weight, quantize_rows
+from qwen3_scratch.model.qwen3 import DecoderLayer
+from qwen3_scratch.sampling.logits import LogitsFilter
 
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = LogitsFilter(temperature=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,19 @@ chunks, batches and preemption, a greedy request's tokens must be the ones it ge
 
 import pytest
 import torch
-
 from make_tiny_checkpoint import make_tiny_checkpoint
+
 from qwen3_scratch import GenerationError, load_model
-from qwen3_scratch.block_manager import BlockManager
-from qwen3_scratch.engine import LLMEngine
-from qwen3_scratch.generate import generate_tokens
-from qwen3_scratch.llm import LLM, SamplingParams
-from qwen3_scratch.model_runner import ModelRunner
-from qwen3_scratch.paged_cache import PagedKVCache
-from qwen3_scratch.params import RequestParams
-from qwen3_scratch.sampling import SamplingParams as LogitsFilter
-from qwen3_scratch.scheduler import Chunk, Scheduler, ScheduledBatch, Sequence, Status
-from qwen3_scratch.tokenizer import Tokenizer
+from qwen3_scratch.engine.block_manager import BlockManager
+from qwen3_scratch.engine.engine import LLMEngine
+from qwen3_scratch.engine.llm import LLM
+from qwen3_scratch.engine.model_runner import ModelRunner
+from qwen3_scratch.engine.paged_cache import PagedKVCache
+from qwen3_scratch.engine.scheduler import Chunk, ScheduledBatch, Scheduler, Sequence, Status
+from qwen3_scratch.generation.loops import generate_tokens
+from qwen3_scratch.sampling.logits import LogitsFilter
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.tokenizer import Tokenizer
 
 GREEDY = LogitsFilter(temperature=0.0)
 
@@ -130,7 +130,7 @@ def test_a_cache_hit_revives_a_freed_block_and_admission_counts_it():
 
 
 def make_seq(request_id, n, max_tokens=8):
-    return Sequence(request_id, list(range(100, 100 + n)), n, RequestParams(max_tokens=max_tokens), max_tokens,
+    return Sequence(request_id, list(range(100, 100 + n)), n, SamplingParams(max_tokens=max_tokens), max_tokens,
                     frozenset())  # fmt: skip
 
 
@@ -202,7 +202,7 @@ def test_greedy_engine_equals_the_simple_loop_and_preemption_loses_nothing(model
     lengths = [20, 12, 25, 30, 18, 24]
     eos = model.config.eos_token_ids
     engine = LLMEngine(model, tokenizer, eos, num_blocks=num_blocks, block_size=8, max_num_batched_tokens=budget)
-    requests = {str(i): (p, RequestParams(temperature=0, max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))}
+    requests = {str(i): (p, SamplingParams(temperature=0, max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))}
     got = run_engine(engine, requests)
     for request_id, (ids, params) in requests.items():
         assert got[request_id] == alone(model, ids, params.max_tokens, eos), f"request {request_id} differs from alone"
@@ -217,7 +217,7 @@ def test_a_later_request_reuses_the_cached_prefix_and_gets_the_same_tokens(model
     engine = LLMEngine(model, tokenizer, eos, num_blocks=64, block_size=8)
     system = prompt(37, seed=16)
     first, second = system + prompt(5, seed=17), system + prompt(11, seed=18)
-    params = RequestParams(temperature=0, max_tokens=15)
+    params = SamplingParams(temperature=0, max_tokens=15)
     run_engine(engine, {"first": (first, params)})
     seq = engine.add_request("second", second, params)
     assert run_engine(engine, {})["second"] == alone(model, second, 15, eos)
@@ -228,24 +228,24 @@ def test_requests_added_between_steps_join_the_running_batch(model, tokenizer):
     eos = model.config.eos_token_ids
     engine = LLMEngine(model, tokenizer, eos, num_blocks=64, block_size=8)
     first, second = prompt(12, seed=9), prompt(7, seed=10)
-    engine.add_request("first", first, RequestParams(temperature=0, max_tokens=20))
+    engine.add_request("first", first, SamplingParams(temperature=0, max_tokens=20))
     outputs = {"first": [], "second": []}
     for step in range(40):
         if step == 5:
-            engine.add_request("second", second, RequestParams(temperature=0, max_tokens=10))
+            engine.add_request("second", second, SamplingParams(temperature=0, max_tokens=10))
         for out in engine.step():
             outputs[out.request_id] += out.new_token_ids
     assert outputs == {"first": alone(model, first, 20, eos), "second": alone(model, second, 10, eos)}
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(model, tokenizer):
-    params = RequestParams(temperature=0.9, top_k=40, top_p=0.9, max_tokens=15, seed=123, ignore_eos=True)
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_tokens=15, seed=123, ignore_eos=True)
     ids = prompt(9, seed=11)
 
     def sampled(others):
         engine = LLMEngine(model, tokenizer, [], num_blocks=64, block_size=8)
         requests = {"me": (ids, params)}
-        requests.update({f"o{i}": (prompt(5 + i, 20 + i), RequestParams(temperature=1.0, max_tokens=15)) for i in range(others)})
+        requests.update({f"o{i}": (prompt(5 + i, 20 + i), SamplingParams(temperature=1.0, max_tokens=15)) for i in range(others)})
         return run_engine(engine, requests)["me"]
 
     assert sampled(0) == sampled(3), "a seeded request draws from its own generator"
@@ -257,7 +257,7 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(model, tokenizer):
     stop = "e model"  # spans two tokens: "(name" then " model"
     assert stop in text, f"the tiny model's greedy text changed: {text!r}"
     engine = LLMEngine(model, tokenizer, [], num_blocks=64, block_size=8)
-    engine.add_request("a", ids, RequestParams(temperature=0, max_tokens=20, stop=[stop]))
+    engine.add_request("a", ids, SamplingParams(temperature=0, max_tokens=20, stop=[stop]))
     pieces, last = [], None
     while engine.has_unfinished():
         for last in engine.step():
@@ -269,17 +269,17 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(model, tokenizer):
 def test_impossible_requests_are_refused_before_they_run(model, tokenizer):
     engine = LLMEngine(model, tokenizer, [], num_blocks=4, block_size=8)
     with pytest.raises(GenerationError, match="context is"):
-        engine.add_request("long", prompt(model.config.max_position_embeddings, 13), RequestParams())
+        engine.add_request("long", prompt(model.config.max_position_embeddings, 13), SamplingParams())
     with pytest.raises(GenerationError, match="KV blocks but the pool has 4"):
-        engine.add_request("big", prompt(10, 14), RequestParams(max_tokens=100))
-    unbounded = RequestParams(temperature=0, max_tokens=None, ignore_eos=True)
+        engine.add_request("big", prompt(10, 14), SamplingParams(max_tokens=100))
+    unbounded = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     assert len(run_engine(engine, {"fits": (prompt(10, 15), unbounded)})["fits"]) == 4 * 8 - 10, (
         "max_tokens=None generates until the sequence fills what the pool can hold"
     )
     with pytest.raises(GenerationError, match="max_tokens must be"):
-        RequestParams(max_tokens=0)
+        SamplingParams(max_tokens=0)
     with pytest.raises(GenerationError, match="top_p"):
-        RequestParams(top_p=1.5)
+        SamplingParams(top_p=1.5)
 
 
 # -- offline API -----------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ def test_an_int8_model_keeps_its_kv_pool_in_the_activations_dtype_and_matches_th
     quantized = load_model(checkpoint, dtype="bfloat16", optimize="batch", quantize="int8")
     engine = LLMEngine(quantized, tokenizer, eos_ids=[], num_blocks=32, block_size=8)
     assert engine.cache.keys.dtype == torch.bfloat16, f"the KV pool is {engine.cache.keys.dtype}"
-    requests = {f"r{i}": (prompt(9 + 5 * i, i), RequestParams(temperature=0, max_tokens=12)) for i in range(3)}
+    requests = {f"r{i}": (prompt(9 + 5 * i, i), SamplingParams(temperature=0, max_tokens=12)) for i in range(3)}
     outputs = run_engine(engine, requests)
     for request_id, (ids, _) in requests.items():
         assert outputs[request_id] == alone(quantized, ids, 12), f"{request_id}: int8 engine differs from the simple loop"

@@ -12,12 +12,14 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import cli
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch.cli import EXAMPLES, build_parser
-from qwen3_scratch.inputs import stdin_waiting
-from qwen3_scratch.pipeline import GenerationRequest, Pipeline, pick_dtype
+
+from qwen3_scratch.checkpoint.placement import pick_dtype
+from qwen3_scratch.cli.generate import EXAMPLES, build_parser
+from qwen3_scratch.cli.inputs import stdin_waiting
+from qwen3_scratch.generation.pipeline import Pipeline
+from qwen3_scratch.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,12 +128,12 @@ def test_decode_speed_counts_only_rows_still_running(tiny, monkeypatch):
     pipe = Pipeline.load(str(tiny), device="cpu")
     batch = [pipe.prompt_ids("first prompt"), pipe.prompt_ids("the second prompt")]
     # sampled with a seed: the same draws whichever rows are still running, so row 2 is the same both times
-    free = GenerationRequest(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, seed=5, ignore_eos=True)
+    free = SamplingParams(max_tokens=12, temperature=1.0, top_k=0, top_p=1.0, seed=5, ignore_eos=True)
     rows = list(zip(*pipe.stream_ids(batch, free)))
     eos = next(t for t in rows[0][1:] if t not in rows[1] and rows[0].count(t) == 1)
     stop_at = rows[0].index(eos) + 1
     monkeypatch.setitem(pipe.generation_config, "eos_token_id", [eos])
-    list(pipe.stream_ids(batch, GenerationRequest(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, seed=5)))
+    list(pipe.stream_ids(batch, SamplingParams(max_tokens=12, temperature=1.0, top_k=0, top_p=1.0, seed=5)))
     stats = pipe.last_stats
     assert stats.generated_tokens == stop_at + 12 and stats.decode_steps == 11
     assert stats.decode_tokens == stats.generated_tokens - 2
@@ -139,7 +141,7 @@ def test_decode_speed_counts_only_rows_still_running(tiny, monkeypatch):
 
 
 def test_importing_the_package_and_the_cli_does_not_import_torch():
-    code = "import sys, qwen3_scratch, qwen3_scratch.cli, qwen3_scratch.inputs; print('torch' in sys.modules)"
+    code = "import sys, qwen3_scratch, qwen3_scratch.cli.generate, qwen3_scratch.cli.inputs; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.stdout.strip() == "False", "torch must load inside main(), where Ctrl-C is handled"
 

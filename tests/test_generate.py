@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-
 from checkpoints import assert_logits_match, build_checkpoint, load_reference
-from qwen3_scratch import GenerationError, load_model
-from qwen3_scratch.generate import CachedLoop, PaddedBatch, RecomputeLoop, generate_tokens
-from qwen3_scratch.sampling import SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0)
+from qwen3_scratch import GenerationError, load_model
+from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, RecomputeLoop, generate_tokens
+from qwen3_scratch.sampling.logits import LogitsFilter
+
+GREEDY = LogitsFilter(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_prompt_longer_than_the_context_is_refused(model):
 
 def test_sampled_generation_is_reproducible_with_a_seed(model):
     ids = prompt(8, seed=11)
-    params = SamplingParams(temperature=1.0, top_k=50)
+    params = LogitsFilter(temperature=1.0, top_k=50)
 
     def draw(seed):
         return run(model, [ids], 15, sampling=params, generator=torch.Generator().manual_seed(seed))[0]
@@ -142,7 +142,7 @@ def test_cuda_bf16_cache_recompute_and_compiled_agree(checkpoint):
 def test_cuda_decode_steps_never_wait_for_the_gpu(checkpoint):
     """After prefill, a decode step (cache write, attention, sampling) queues work without a host sync."""
     model = load_model(checkpoint, device="cuda", dtype="bfloat16")
-    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    params = LogitsFilter(temperature=0.8, top_k=20, top_p=0.9)
     steps = generate_tokens(model, [prompt(9, seed=16)], 16, params, ignore_eos=True,
                             generator=torch.Generator("cuda").manual_seed(0))  # fmt: skip
     tokens = [next(steps)]  # prefill may sync (the prompt is copied to the GPU)

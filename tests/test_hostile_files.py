@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from make_tiny_checkpoint import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-from make_tiny_checkpoint import make_tiny_checkpoint
 from qwen3_scratch import CheckpointError, load_model
-from qwen3_scratch.cli import main
-from qwen3_scratch.generate import generate_tokens
+from qwen3_scratch.cli.generate import main
+from qwen3_scratch.generation.loops import generate_tokens
 
 DEEP = "[" * 100_000 + "]" * 100_000  # far past Python's recursion limit
 INDEX = "model.safetensors.index.json"
@@ -236,7 +236,7 @@ def test_heavy_hostile_files_run_in_bounded_memory_and_time(pristine, tmp_path):
         damage(folders[name])
     # One interpreter runs every case (one torch import), through the real CLI entry point.
     script = (
-        "import sys, json\nfrom qwen3_scratch.cli import main\n"
+        "import sys, json\nfrom qwen3_scratch.cli.generate import main\n"
         "for folder in sys.argv[1:]:\n"
         "    code = main(['--model', folder, '--prompt', 'hi', '--max-new-tokens', '2', '--temperature', '0'])\n"
         "    print(json.dumps([folder, code]), flush=True)\n"

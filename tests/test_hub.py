@@ -23,17 +23,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub import constants, snapshot_download
-from transformers import AutoModelForCausalLM
-
 from checkpoints import build_checkpoint, load_reference
 from cli_helpers import assert_one_line_error, cli
 from fake_hub import COMMIT, GATED, make_hf_hermetic, serve_fake_hub
+from huggingface_hub import constants, snapshot_download
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch.download import PARTIAL_DIR, DownloadLimits
+from transformers import AutoModelForCausalLM
+
+from qwen3_scratch.checkpoint.download import PARTIAL_DIR, DownloadLimits
+from qwen3_scratch.checkpoint.hub import resolve_checkpoint, verify_checkpoint
+from qwen3_scratch.checkpoint.snapshot import RECORD
 from qwen3_scratch.errors import CheckpointError, HubError
-from qwen3_scratch.hub import resolve_checkpoint, verify_checkpoint
-from qwen3_scratch.snapshot import RECORD
 
 REPO = "fake-org/tiny-qwen3"
 CHAT_REPO = "fake-org/tiny-chat"  # a checkpoint the CLI can run: real tokenizer and chat template
@@ -215,7 +215,7 @@ def test_full_disk_is_reported_as_a_disk_problem(hub, tmp_path, monkeypatch):
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("qwen3_scratch.snapshot.fetch_file", no_space)
+    monkeypatch.setattr("qwen3_scratch.checkpoint.snapshot.fetch_file", no_space)
     with pytest.raises(HubError, match=f"could not write {REPO} into .*No space left.*free some disk space"):
         download(hub, tmp_path)
 
@@ -227,7 +227,7 @@ def test_unreachable_hub_falls_back_to_a_complete_download(hub, tmp_path):
 
 
 def test_local_folder_is_returned_without_network(source, monkeypatch):
-    monkeypatch.setattr("qwen3_scratch.snapshot.get_session", None)  # any download attempt would crash
+    monkeypatch.setattr("qwen3_scratch.checkpoint.snapshot.get_session", None)  # any download attempt would crash
     assert resolve_checkpoint(str(source)) == source
 
 

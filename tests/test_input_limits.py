@@ -8,17 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch import GenerationError, InputError, inputs
-from qwen3_scratch.cli import main
-from qwen3_scratch.generate import generate_tokens
-from qwen3_scratch.inputs import MAX_PROMPT_BYTES, count_tokens_upto, read_prompts, read_prompts_file
-from qwen3_scratch.pipeline import GenerationRequest, Pipeline
-from qwen3_scratch.sampling import NON_FINITE, SamplingParams, sample
+
+from qwen3_scratch import GenerationError, InputError
+from qwen3_scratch.cli import inputs
+from qwen3_scratch.cli.generate import main
+from qwen3_scratch.cli.inputs import read_prompts, read_prompts_file
+from qwen3_scratch.generation.loops import generate_tokens
+from qwen3_scratch.generation.pipeline import Pipeline
+from qwen3_scratch.sampling.logits import NON_FINITE, LogitsFilter, sample
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.limits import MAX_PROMPT_BYTES, count_tokens_upto
 
 ROOT = Path(__file__).resolve().parents[1]
-GREEDY = GenerationRequest(max_new_tokens=4, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def test_a_100_mb_prompt_through_the_api_is_refused_before_the_tokenizer(tiny):
     code = (
         "import sys\n"
         "from qwen3_scratch import GenerationError\n"
-        "from qwen3_scratch.pipeline import Pipeline\n"
+        "from qwen3_scratch.generation.pipeline import Pipeline\n"
         f"pipe = Pipeline.load({str(tiny)!r}, device='cpu')\n"
         "pipe.tokenizer.encode = None  # any tokenizer call would now fail loudly\n"
         "try:\n"
@@ -180,13 +183,13 @@ def test_api_prompt_with_a_lone_surrogate_is_an_input_error(pipe):
 
 
 def test_ten_thousand_prompts_run_batch_size_at_a_time(pipe, monkeypatch):
-    from qwen3_scratch import pipeline
+    from qwen3_scratch.generation import pipeline
 
     widths = []
     real = pipeline.generate_tokens
     monkeypatch.setattr(pipeline, "generate_tokens", lambda model, prompts, *a, **k: widths.append(len(prompts)) or real(model, prompts, *a, **k))  # fmt: skip
     prompts = [["the", "fox", "dog", "cat"][i % 4] for i in range(10_000)]  # short: the batching is on trial
-    request = GenerationRequest(max_new_tokens=1, temperature=0)
+    request = SamplingParams(max_tokens=1, temperature=0)
     batches = pipe.generate_batches(prompts, request, batch_size=2500, chat=False)
     first = next(batches)
     assert widths == [2500], "the first batch's results must come before the next batch runs"
@@ -211,7 +214,7 @@ def test_cli_prints_each_batch_with_its_stats_line(tiny, tmp_path, capsys):
 # --- logits that are not numbers -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(), SamplingParams(0.7, 5, 0.9, 0.05)])
+@pytest.mark.parametrize("params", [LogitsFilter(temperature=0), LogitsFilter(), LogitsFilter(0.7, 5, 0.9, 0.05)])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_sample_marks_rows_whose_logits_are_not_finite(params, bad):
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
@@ -224,7 +227,7 @@ def test_sample_marks_rows_whose_logits_are_not_finite(params, bad):
 
 def test_logits_that_overflow_under_temperature_are_marked_not_sampled():
     logits = torch.tensor([[3.0e38, 1.0, -3.0e38]])  # finite, but / 0.5 overflows float32
-    assert sample(logits, SamplingParams(temperature=0.5)).item() == NON_FINITE
+    assert sample(logits, LogitsFilter(temperature=0.5)).item() == NON_FINITE
 
 
 def damaged(pipe, at_call: int, rows=None):
@@ -246,12 +249,14 @@ def damaged(pipe, at_call: int, rows=None):
 @pytest.mark.parametrize("at_call", [1, 4], ids=["prefill", "fourth_step"])
 def test_non_finite_logits_stop_generation_with_one_clear_error(pipe, use_cache, temperature, at_call):
     handle = damaged(pipe, at_call)
-    request = GenerationRequest(max_new_tokens=8, temperature=temperature, use_cache=use_cache, ignore_eos=True, seed=0)
+    request = SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True, seed=0)
+    pipe.use_cache = use_cache
     try:
         with pytest.raises(GenerationError, match=f"stopped at generated token {at_call} .*NaN or inf"):
             list(pipe.stream("Hello", request))
     finally:
         handle.remove()
+        pipe.use_cache = True
 
 
 def test_one_bad_row_in_a_batch_is_named(pipe):

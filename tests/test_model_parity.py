@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
 from checkpoints import assert_logits_match, build_checkpoint, load_reference
+
 from qwen3_scratch import KVCache, load_model
-from qwen3_scratch.kv_cache import attention_mask
+from qwen3_scratch.model.kv_cache import attention_mask
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 

@@ -5,13 +5,13 @@ import shutil
 
 import pytest
 import torch
+from checkpoints import assert_logits_match, build_moe_checkpoint, load_moe_reference
 from safetensors.torch import load_file, save_file
 
-from checkpoints import assert_logits_match, build_moe_checkpoint, load_moe_reference
 from qwen3_scratch import CheckpointError, ConfigError, GenerationError, load_model
-from qwen3_scratch.generate import generate_tokens
-from qwen3_scratch.moe import SparseMoeBlock, route
-from qwen3_scratch.sampling import SamplingParams
+from qwen3_scratch.generation.loops import generate_tokens
+from qwen3_scratch.model.moe import SparseMoeBlock, route
+from qwen3_scratch.sampling.logits import LogitsFilter
 
 # Each variant exercises one thing a wrong MoE could get wrong.
 VARIANTS = {
@@ -22,7 +22,7 @@ VARIANTS = {
     "fused_experts_layout": dict(original_format=False, max_shard_size="40KB", norm_topk_prob=True),
     "top_3_of_8": dict(num_experts_per_tok=3),
 }
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = LogitsFilter(temperature=0.0)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -205,7 +205,7 @@ def test_fused_experts_of_the_wrong_shape_name_the_checkpoint_key(tmp_path):
 
 def hub_30b_a3b():
     """Qwen3-30B-A3B's config.json keys that matter here, as the Hub ships them."""
-    from qwen3_scratch.sizes import moe_config_dict
+    from qwen3_scratch.model.sizes import moe_config_dict
 
     return moe_config_dict("30B-A3B")
 
@@ -239,7 +239,7 @@ def test_bad_moe_configs_are_refused_naming_the_key(change, message):
 
 
 def test_published_moe_sizes_have_their_published_parameter_counts():
-    from qwen3_scratch.sizes import moe_config_dict, moe_parameter_counts
+    from qwen3_scratch.model.sizes import moe_config_dict, moe_parameter_counts
 
     total, active = moe_parameter_counts(moe_config_dict("30B-A3B"))
     assert total == 30_532_122_624, "Qwen3-30B-A3B's model card and safetensors index count 30,532,122,624"
@@ -250,7 +250,7 @@ def test_published_moe_sizes_have_their_published_parameter_counts():
 
 def test_moe_parameter_count_equals_the_built_model(tmp_path):
     """The formula, checked against a real (tiny) model with a dense layer among the MoE ones."""
-    from qwen3_scratch.sizes import moe_parameter_counts
+    from qwen3_scratch.model.sizes import moe_parameter_counts
 
     path = build_moe_checkpoint(tmp_path, mlp_only_layers=[1], num_hidden_layers=3)
     config = json.loads((path / "config.json").read_text())
@@ -260,7 +260,7 @@ def test_moe_parameter_count_equals_the_built_model(tmp_path):
 
 def test_decode_step_bytes_count_only_the_chosen_experts(pristine):
     """bandwidth_util must divide by what a step reads: batch 1 reads k of E experts per MoE layer."""
-    from qwen3_scratch.stats import bytes_per_decode_step, weight_bytes
+    from qwen3_scratch.generation.stats import bytes_per_decode_step, weight_bytes
 
     model = load_model(pristine)
     c = model.config
@@ -274,8 +274,9 @@ def test_decode_step_bytes_count_only_the_chosen_experts(pristine):
 def test_cli_generates_from_the_tiny_moe_checkpoint(tmp_path, capsys):
     """scripts/make_tiny_checkpoint.py --moe writes a checkpoint that the CLI and transformers both run alike."""
     from make_tiny_checkpoint import main as make_tiny
-    from qwen3_scratch.cli import main as cli
-    from qwen3_scratch.tokenizer import Tokenizer
+
+    from qwen3_scratch.cli.generate import main as cli
+    from qwen3_scratch.text.tokenizer import Tokenizer
 
     make_tiny(["--moe", "--out", str(tmp_path / "tiny-moe")])
     path = tmp_path / "tiny-moe"

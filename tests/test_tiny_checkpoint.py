@@ -6,13 +6,12 @@ import sys
 import time
 from pathlib import Path
 
+import make_tiny_checkpoint
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
-
-import make_tiny_checkpoint
 from make_tiny_checkpoint import make_tiny_checkpoint as make
+from safetensors import safe_open
 
 SCRIPT = Path(make_tiny_checkpoint.__file__)
 EXPECTED_FILES = {

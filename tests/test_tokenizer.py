@@ -2,10 +2,10 @@
 
 import pytest
 import transformers
-
 from make_tiny_checkpoint import SPECIAL_TOKENS, THINK_TOKENS, make_tiny_checkpoint
+
 from qwen3_scratch.errors import CheckpointError
-from qwen3_scratch.tokenizer import StreamingDetokenizer, Tokenizer
+from qwen3_scratch.text.tokenizer import StreamingDetokenizer, Tokenizer
 
 # Text the tiny tokenizer has seen, text it has not (龘, 🦙, 🧑‍🚀 are split into byte tokens),
 # code, and control tokens written inline, as a chat prompt contains them.

@@ -2,15 +2,15 @@
 
 import json
 import re
-import struct
 import shutil
+import struct
 
 import pytest
 import torch
+from checkpoints import build_checkpoint
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from checkpoints import build_checkpoint
 from qwen3_scratch import CheckpointError, ConfigError, load_model
 
 

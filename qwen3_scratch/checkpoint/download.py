@@ -27,7 +27,7 @@ from huggingface_hub import constants
 from huggingface_hub.utils import HfHubHTTPError, hf_raise_for_status
 from huggingface_hub.utils import tqdm as ProgressBar
 
-from .errors import HubError
+from qwen3_scratch.errors import HubError
 
 log = logging.getLogger(__name__)
 

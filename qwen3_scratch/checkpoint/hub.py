@@ -24,10 +24,12 @@ from huggingface_hub.utils import (
     RevisionNotFoundError,
 )
 
+from qwen3_scratch.errors import CheckpointError, HubError, Qwen3Error
+
 from .download import PARTIAL_DIR, DownloadLimits, is_transport_error
-from .errors import CheckpointError, HubError, Qwen3Error
+from .shards import DamagedFile, read_raw_header
 from .snapshot import RECORD, check_against_record, read_record, sync_folder
-from .weights import INDEX_FILE, DamagedFile, checkpoint_files, read_raw_header
+from .weights import INDEX_FILE, checkpoint_files
 
 log = logging.getLogger(__name__)
 

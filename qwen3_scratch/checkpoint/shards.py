@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import CheckpointError, printable
+from qwen3_scratch.errors import CheckpointError, printable
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 LFS_POINTER_PREFIX = b"version https://git-lfs"

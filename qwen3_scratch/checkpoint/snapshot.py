@@ -22,8 +22,9 @@ from urllib.parse import quote
 
 from huggingface_hub.utils import build_hf_headers, filter_repo_objects, get_session
 
+from qwen3_scratch.errors import CheckpointError, HubError
+
 from .download import DownloadLimits, RemoteFile, fetch_file, fetch_json, matches
-from .errors import CheckpointError, HubError
 
 try:
     import fcntl

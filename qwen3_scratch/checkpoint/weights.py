@@ -23,16 +23,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import DTYPES, Qwen3Config
-from .cpu_decode import use_cpu_decoder_layers
-from .errors import CheckpointError, printable
-from .files import read_json
-from .fuse import fuse_projections, prepack_for_cpu
-from .matvec import can_use_matvec, use_matvec
-from .model import Qwen3
-from .quantize import SCHEMES, quantize_model
-# hub.py imports DamagedFile and read_raw_header from here
-from .shards import DamagedFile, TensorEntry, read_raw_header, read_safetensors_header  # noqa: F401 (hub.py)
+from qwen3_scratch.errors import CheckpointError, printable
+from qwen3_scratch.files import read_json
+from qwen3_scratch.kernels.layout import LAYOUTS, SCHEMES, optimize_layout
+from qwen3_scratch.model.config import DTYPES, Qwen3Config
+from qwen3_scratch.model.qwen3 import Qwen3
+
+from .shards import TensorEntry, read_safetensors_header
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -226,9 +223,9 @@ def load_model(path, device="cpu", dtype=torch.float32, optimize=None, quantize=
     """Build Qwen3 from a checkpoint folder; returns the model in eval mode on `device` in `dtype`.
 
     optimize: None keeps the checkpoint's layout (the parity suite's reference). After the strict load,
-        "decode" lays the model out for one sequence at a time, "batch" for batches (see optimize_layout);
+        "decode" lays the model out for one sequence at a time, "batch" for batches (kernels/layout.py);
         either way logits equal the checkpoint layout's up to float rounding.
-    quantize: "int8" stores every matrix as int8 with per-row scales computed now (quantize.py).
+    quantize: "int8" stores every matrix as int8 with per-row scales computed now (kernels/quantize.py).
     """
     if optimize not in LAYOUTS:
         raise ValueError(f"optimize={optimize!r}: use one of {LAYOUTS}")
@@ -266,30 +263,3 @@ def load_model(path, device="cpu", dtype=torch.float32, optimize=None, quantize=
         model.lm_head.weight = model.model.embed_tokens.weight
     model.build_rope_tables(device, dtype)
     return optimize_layout(model, optimize, quantize).eval()
-
-
-LAYOUTS = (None, "decode", "batch")
-
-
-def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None) -> Qwen3:
-    """Load-time transforms for speed; checkpoint keys, the strict load and its errors are untouched.
-
-    "decode" (one sequence, the CLI and chat): on a CPU, one-row products run compiled loops over the
-    checkpoint's own matrices (matvec.py), which read weights near the memory bandwidth and copy
-    nothing. "batch" (several rows per step, serving): q/k/v and gate/up fused into one matrix each and
-    every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has many rows.
-    Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch".
-    """
-    cpu_decode = optimize == "decode" and can_use_matvec(model)
-    if cpu_decode and quantize is None:
-        use_matvec(model)
-    else:
-        if optimize:
-            fuse_projections(model)
-        if quantize is not None:
-            quantize_model(model, quantize)  # its one-row products on a CPU are compiled loops too
-        if optimize:
-            prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
-    if cpu_decode:
-        use_cpu_decoder_layers(model)  # and the ops between the products, a few compiled kernels a layer
-    return model

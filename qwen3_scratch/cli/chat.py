@@ -16,8 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import OneLineParser, model_flags, request_from_args, run_cli, sampling_flags
-from .errors import InputError, Qwen3Error
+from qwen3_scratch.errors import InputError, Qwen3Error
+
+from .flags import OneLineParser, model_flags, params_from_args, run_cli, sampling_flags
 
 PROG = "qwen3-chat"
 
@@ -108,9 +109,9 @@ class ReplyPrinter:
 class ChatSession:
     """The conversation a terminal drives: the messages, the thinking switch, and the /commands."""
 
-    def __init__(self, pipe, request, system=None, thinking=True,
+    def __init__(self, pipe, params, system=None, thinking=True,
                  hide_thinking=False, tools=None, out=sys.stdout):  # fmt: skip
-        self.pipe, self.request, self.out = pipe, request, out
+        self.pipe, self.params, self.out = pipe, params, out
         self.system, self.thinking, self.hide_thinking, self.tools = system, thinking, hide_thinking, tools
         self.messages: list[dict] = []  # user and assistant turns; the system message is kept apart
         self.switch = None  # "/think" or "/no_think", to append to the next user message
@@ -138,7 +139,7 @@ class ChatSession:
             text, self.switch = f"{text} {self.switch}", None
         self.messages.append({"role": "user", "content": text})
         printer = ReplyPrinter(self.out, self.hide_thinking)
-        stream = self.pipe.chat_stream(self.conversation(), self.request, self.tools, self.thinking)
+        stream = self.pipe.chat_stream(self.conversation(), self.params, self.tools, self.thinking)
         try:
             for delta in stream:
                 printer.show(delta)
@@ -219,11 +220,12 @@ def read_lines(interactive: bool):
 
 def run(args) -> None:
     tools = read_tools(args.tools) if args.tools is not None else None
-    request = request_from_args(args)  # impossible flags fail here, before the model loads
-    from .pipeline import Pipeline  # torch: imported inside run_cli's Ctrl-C handling
+    params = params_from_args(args)  # impossible flags fail here, before the model loads
+    from qwen3_scratch.generation.pipeline import Pipeline  # torch: imported inside run_cli's Ctrl-C handling
 
-    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype)
-    session = ChatSession(pipe, request, args.system, args.thinking, args.hide_thinking, tools)
+    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
+                         revision=args.revision, verify=args.verify)  # fmt: skip
+    session = ChatSession(pipe, params, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"{PROG}: {pipe.checkpoint.name}. /help lists the commands; Ctrl-D quits.", flush=True)
@@ -234,7 +236,3 @@ def run(args) -> None:
 
 def main(argv=None) -> int:
     return run_cli(PROG, build_parser(), run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

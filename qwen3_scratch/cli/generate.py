@@ -5,26 +5,18 @@ Text streams to stdout as it is generated; the stats line goes to stderr. Bad in
 exit code 2, never a traceback; Ctrl-C exits 130 without one, even while torch is being imported.
 
 Nothing heavy is imported at the top: torch loads inside `run_cli`'s Ctrl-C handling, and `--help`
-is instant. Every flag is checked before the model loads (or downloads). The other commands reuse
-the pieces: `OneLineParser`, `model_flags(parser)`, `sampling_flags(parser)`,
-`request_from_args(args)` (checks the sampling and length flags), `inputs.read_prompts` and
-`run_cli(prog, parser, body)`.
+is instant. Every flag is checked before the model loads (or downloads).
 """
 
 import argparse
 import sys
 
-from . import __version__
-from .errors import InputError, Qwen3Error, printable
-from .inputs import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_MODEL,
-    DTYPE_NAMES,
-    MAX_INPUT_BYTES,
-    MAX_PROMPT_BYTES,
-    read_prompts,
-    stdin_waiting,
-)
+from qwen3_scratch import __version__
+from qwen3_scratch.errors import InputError
+from qwen3_scratch.text.limits import DEFAULT_BATCH_SIZE, MAX_PROMPT_BYTES
+
+from .flags import OneLineParser, model_flags, params_from_args, run_cli, sampling_flags
+from .inputs import MAX_INPUT_BYTES, read_prompts, stdin_waiting
 
 PROG = "qwen3-generate"
 
@@ -39,38 +31,6 @@ limits: one prompt is at most {MAX_PROMPT_BYTES // 2**20} MiB of UTF-8, stdin or
 {MAX_INPUT_BYTES // 2**20} MiB.
 exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted (Ctrl-C).
 """
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def model_flags(p: argparse.ArgumentParser) -> None:
-    """Which checkpoint, from where, on which device, in which dtype."""
-    p.add_argument("--model", default=DEFAULT_MODEL, help="a local checkpoint folder or a Hub id (default %(default)s)")
-    p.add_argument("--weights-dir", default="weights", help="where Hub models are downloaded (default %(default)s)")
-    p.add_argument("--local-files-only", action="store_true", help="never touch the network (default: off)")
-    p.add_argument("--revision", help="the Hub branch, tag or commit to download (default: main)")
-    p.add_argument("--verify", action="store_true",
-                   help="hash every file again, compare with the Hub, re-fetch what differs (default: off)")  # fmt: skip
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: cuda when a GPU is there, else cpu (default %(default)s)")  # fmt: skip
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="{auto,bfloat16,float16,float32}",
-                   help="also bf16, fp16/half, fp32/float; auto: bfloat16 on cuda, float32 on cpu (default %(default)s)")  # fmt: skip
-
-
-def sampling_flags(p: argparse.ArgumentParser) -> None:
-    """How many tokens and how they are drawn; None means the checkpoint's generation_config.json."""
-    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many tokens (default %(default)s)")
-    p.add_argument("--temperature", type=float,
-                   help="0 is greedy, else at least 1e-4 (default: generation_config.json, else 1)")  # fmt: skip
-    p.add_argument("--top-k", type=int, help="keep the k likeliest tokens; 0 is off (default: generation_config.json, else 0)")
-    p.add_argument("--top-p", type=float, help="nucleus: keep the top tokens holding this probability, in (0, 1] "
-                   "(default: generation_config.json, else 1)")  # fmt: skip
-    p.add_argument("--min-p", type=float, help="drop tokens under min-p x the top token's probability, in [0, 1) "
-                   "(default: generation_config.json, else 0)")  # fmt: skip
-    p.add_argument("--seed", type=int, help="seed the sampler, 0 to 2**64 - 1, for repeatable text (default: random)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,18 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def request_from_args(args):
-    """The GenerationRequest the flags ask for; raises on an impossible value, before anything loads."""
-    from .pipeline import GenerationRequest  # imports torch
-
-    return GenerationRequest(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, min_p=args.min_p, seed=args.seed, use_cache=getattr(args, "kv_cache", True),
-        ignore_eos=getattr(args, "ignore_eos", False), compile=getattr(args, "compile", False),
-        measure_bandwidth=getattr(args, "show_stats", False),
-    )  # fmt: skip
-
-
 def check_template_flags(args) -> None:
     """--system and --thinking only mean something inside the chat template: refuse them without it."""
     if not args.chat and args.system is not None:
@@ -128,24 +76,25 @@ def run(args) -> None:
     if (args.prompt or args.prompts_file) and stdin_waiting(sys.stdin):
         print(f"{PROG}: warning: ignoring stdin, the prompt comes from --prompt/--prompts-file", file=sys.stderr)
     tools = check_reply_flags(args, prompts)
-    request = request_from_args(args)
-    from .pipeline import Pipeline
+    params = params_from_args(args)
+    from qwen3_scratch.generation.pipeline import Pipeline
 
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
-                         revision=args.revision, verify=args.verify, quantize=args.quantize)  # fmt: skip
+                         revision=args.revision, verify=args.verify, quantize=args.quantize, use_cache=args.kv_cache,
+                         compile=args.compile, measure_bandwidth=args.show_stats)  # fmt: skip
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
     if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls
-        print_reply(pipe, prompts[0], request, args, tools)
+        print_reply(pipe, prompts[0], params, args, tools)
         report(pipe, args, f" reasoning_tokens={pipe.conversation.last_stats.reasoning_tokens}")
         return
     if len(prompts) == 1:
-        for piece in pipe.stream(prompts[0], request, **template):
+        for piece in pipe.stream(prompts[0], params, **template):
             print(piece, end="", flush=True)
         print()
         report(pipe, args, f" reasoning_tokens={reasoning_tokens(pipe)}")
         return
     done = 0
-    for texts in pipe.generate_batches(prompts, request, args.batch_size, **template):
+    for texts in pipe.generate_batches(prompts, params, args.batch_size, **template):
         for text in texts:
             done += 1
             print(f"--- [{done}/{len(prompts)}] {prompts[done - 1][:60]!r}\n{text}", flush=True)
@@ -163,7 +112,7 @@ def report(pipe, args, extra: str = "") -> None:
 
 def check_reply_flags(args, prompts) -> list[dict] | None:
     """--hide-thinking and --tools need the parsed reply: one prompt, in chat mode. Returns the tools."""
-    from .chat_cli import read_tools
+    from .chat import read_tools
 
     flag = "--tools" if args.tools is not None else "--hide-thinking" if args.hide_thinking else None
     if flag and (not args.chat or len(prompts) > 1):
@@ -171,40 +120,23 @@ def check_reply_flags(args, prompts) -> list[dict] | None:
     return read_tools(args.tools) if args.tools is not None else None
 
 
-def print_reply(pipe, prompt, request, args, tools) -> None:
+def print_reply(pipe, prompt, params, args, tools) -> None:
     """The reply as typed pieces: reasoning apart (or hidden), the answer, each tool call as a JSON line."""
-    from .chat_cli import ReplyPrinter
+    from .chat import ReplyPrinter
 
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
     printer = ReplyPrinter(sys.stdout, args.hide_thinking)
-    for delta in pipe.chat_stream(messages, request, tools, args.thinking is not False):
+    for delta in pipe.chat_stream(messages, params, tools, args.thinking is not False):
         printer.show(delta)
     printer.end()
 
 
 def reasoning_tokens(pipe) -> int:
     """How many of the tokens pipe.stream just generated went to reasoning."""
-    from .conversation import count_reasoning_tokens
+    from qwen3_scratch.generation.conversation import count_reasoning_tokens
 
     return count_reasoning_tokens(pipe.tokenizer, pipe.last_prompt_ids, pipe.last_ids)
 
 
-def run_cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
-    """Parse argv and run body(args): a Qwen3Error is one line and exit 2, Ctrl-C is exit 130, quietly."""
-    try:
-        body(parser.parse_args(argv))
-    except Qwen3Error as e:
-        print(f"{prog}: error: {printable(e, limit=2000)}", file=sys.stderr)  # one line, however it was built
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    return 0
-
-
 def main(argv=None) -> int:
     return run_cli(PROG, build_parser(), run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

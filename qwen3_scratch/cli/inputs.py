@@ -1,18 +1,13 @@
-"""What a user types, bounded: prompts from flags, a file or stdin, and the names of dtypes.
+"""What a user types at a command, bounded: prompts from flags, a file or stdin.
 
 Prompts are untrusted input: a 100 MB paste, `--prompts-file /dev/zero`, bytes that are not UTF-8.
 Everything here is bounded before it is read in full, so a bad input costs milliseconds and one
 error line, never the process's memory. The limits:
 
-- MAX_PROMPT_BYTES (4 MiB) for one prompt: the longest context any Qwen3 checkpoint runs (131,072
-  tokens, with YaRN) x MAX_BYTES_PER_TOKEN. Real text takes 3-5 bytes per token; 32 is generous, so
-  a longer prompt could not fit any Qwen3. Once the model is known, its own context x 32 applies.
-- MAX_INPUT_BYTES (64 MiB) for all of stdin or a prompts file together.
-- Text must be UTF-8, strictly: the error names the source, the line and the byte offset. Guessing
+- MAX_PROMPT_BYTES (4 MiB, text/limits.py) for one prompt;
+- MAX_INPUT_BYTES (64 MiB) for all of stdin or a prompts file together;
+- text must be UTF-8, strictly: the error names the source, the line and the byte offset. Guessing
   an encoding, or replacing bad bytes, would feed the model text the user never wrote.
-
-`count_tokens_upto` then measures a prompt against the context by tokenizing a growing prefix, so a
-prompt far too long is refused after tokenizing about one context's worth of it, not all of it.
 
 This module imports nothing heavy (no torch): the CLIs read and check their input before loading.
 """
@@ -22,31 +17,12 @@ import os
 import stat
 import struct
 import termios
-from collections.abc import Callable
 from pathlib import Path
 
-from .errors import InputError
+from qwen3_scratch.errors import InputError
+from qwen3_scratch.text.limits import MAX_PROMPT_BYTES, check_prompt
 
-DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
-# Prompts per batch: each batch is one generation with its own KV cache (B x context slots), so a
-# file of 10,000 prompts runs in bounded memory and streams its results batch by batch.
-DEFAULT_BATCH_SIZE = 8
-
-MAX_BYTES_PER_TOKEN = 32
-LONGEST_QWEN3_CONTEXT = 131_072
-MAX_PROMPT_BYTES = LONGEST_QWEN3_CONTEXT * MAX_BYTES_PER_TOKEN  # 4 MiB
 MAX_INPUT_BYTES = 64 * 2**20
-
-# --dtype accepts torch's names and the short ones people type
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-DTYPE_NAMES = ["auto", "bfloat16", "float16", "float32", *DTYPE_ALIASES]
-
-
-def canonical_dtype(name: str, label: str = "--dtype") -> str:
-    """"auto" or torch's name for a dtype, from any name in DTYPE_NAMES."""
-    if name not in DTYPE_NAMES:
-        raise InputError(f"{label} must be one of {', '.join(DTYPE_NAMES)}; got {name!r}")
-    return DTYPE_ALIASES.get(name, name)
 
 
 def read_prompts(prompt: list[str] | None = None, prompts_file=None, stdin=None) -> list[str]:
@@ -60,20 +36,6 @@ def read_prompts(prompt: list[str] | None = None, prompts_file=None, stdin=None)
     if not prompts or not all(text.strip() for text in prompts):
         raise InputError("no prompt: pass --prompt TEXT, --prompts-file FILE, or pipe text on stdin")
     return prompts
-
-
-def check_prompt(text: str, label: str) -> str:
-    """A prompt given as a str (argv, an API call): within MAX_PROMPT_BYTES and encodable as UTF-8."""
-    if len(text) > MAX_PROMPT_BYTES:
-        raise InputError(f"{label}: {len(text):,} characters is over the limit of {MAX_PROMPT_BYTES:,} bytes per prompt")
-    try:
-        data = text.encode("utf-8")
-    except UnicodeEncodeError as e:  # argv bytes that were not UTF-8 arrive as lone surrogates
-        offset = len(text[: e.start].encode("utf-8", "surrogateescape"))
-        raise InputError(f"{label}: byte {offset} is not UTF-8; pass the text as UTF-8") from None
-    if len(data) > MAX_PROMPT_BYTES:
-        raise InputError(f"{label}: {len(data):,} bytes is over the limit of {MAX_PROMPT_BYTES:,} per prompt")
-    return text
 
 
 def read_stdin(stdin) -> str:
@@ -142,19 +104,3 @@ def stdin_waiting(stdin) -> bool:
     return False
 
 
-def count_tokens_upto(encode: Callable[[str], list], text: str, limit: int) -> int:
-    """len(encode(text)) when that is at most `limit`; otherwise some count > limit of a prefix.
-
-    The prefix starts at 4 x limit characters and doubles, so a text far over the limit costs about
-    `limit` tokens of work. Each prefix is cut just before a space, a word boundary where Qwen's
-    pre-tokenizer splits anyway, so the prefix's tokens are the first tokens of the whole text (inside
-    a run of spaces, one more at most): a count over the limit proves the whole text is over it.
-    """
-    size = 4 * limit
-    while size < len(text):
-        cut = text.rfind(" ", size // 2, size)
-        count = len(encode(text[: cut if cut > 0 else size]))
-        if count > limit:
-            return count
-        size *= 2
-    return len(encode(text))

@@ -1,15 +1,16 @@
 """`python -m qwen3_scratch.serve --model weights/tiny-qwen3` (or `qwen3-serve`): the OpenAI-compatible server.
 
 Loads the checkpoint (LLM), starts the engine thread (AsyncEngine), serves the FastAPI app
-(server.py) with uvicorn on 127.0.0.1:8000 unless told otherwise. Each flag maps to one parameter.
+(server/app.py) with uvicorn on 127.0.0.1:8000 unless told otherwise. Each flag maps to one parameter.
 Like the other commands: bad input is one line on stderr and exit 2, Ctrl-C exits 130, quietly.
 """
 
 import argparse
 import sys
 
-from .cli import OneLineParser, model_flags, run_cli
-from .errors import Qwen3Error
+from qwen3_scratch.errors import Qwen3Error
+
+from .flags import OneLineParser, model_flags, run_cli
 
 PROG = "qwen3-serve"
 
@@ -36,7 +37,7 @@ def load(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise Qwen3Error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    from .llm import LLM  # imports torch
+    from qwen3_scratch.engine.llm import LLM  # imports torch
 
     return LLM(args.model, weights_dir=args.weights_dir, local_files_only=args.local_files_only, device=args.device,
                dtype=args.dtype, revision=args.revision, verify=args.verify,
@@ -48,10 +49,10 @@ def serve(args: argparse.Namespace) -> None:
     try:
         import uvicorn
 
-        from .server import build_app
+        from qwen3_scratch.server.app import build_app
     except ImportError as error:
         raise Qwen3Error(f"the server needs FastAPI and uvicorn ({error}): pip install -e \".[serve]\"") from error
-    from .async_engine import AsyncEngine
+    from qwen3_scratch.server.async_engine import AsyncEngine
 
     llm = load(args)
     blocks = llm.engine.blocks
@@ -68,7 +69,3 @@ def serve(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     return run_cli(PROG, build_parser(), serve, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The engine: requests in at any time, tokens out step by step, continuous batching underneath.
 
     engine = LLMEngine(model, tokenizer, eos_ids=[...], num_blocks=512)
-    engine.add_request("a", prompt_ids, RequestParams(temperature=0, max_tokens=32))
+    engine.add_request("a", prompt_ids, SamplingParams(temperature=0, max_tokens=32))
     while engine.has_unfinished():
         for out in engine.step():          # one scheduled step: every running request moves on
             print(out.request_id, out.new_token_ids, out.new_text, out.finished)
@@ -19,15 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
+from qwen3_scratch.errors import GenerationError
+from qwen3_scratch.model.qwen3 import Qwen3
+from qwen3_scratch.sampling.logits import filter_logits
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.stop import TextState
+from qwen3_scratch.text.tokenizer import Tokenizer
+
 from .block_manager import BlockManager
-from .errors import GenerationError
-from .model import Qwen3
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
-from .params import RequestParams
-from .sampling import filter_logits
 from .scheduler import Scheduler, Sequence
-from .tokenizer import StreamingDetokenizer, Tokenizer
 
 
 @dataclass
@@ -40,51 +42,6 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     seq: Sequence
-
-
-class StopText:
-    """Text that arrives in pieces, cut before the first stop string.
-
-    A stop string can span pieces, so the last len(longest stop) - 1 characters are held back until
-    the next piece shows whether a stop string starts there; `take` releases only what is final.
-    """
-
-    def __init__(self, stop: list[str]):
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text, self.emitted = "", 0
-
-    def push(self, piece: str) -> bool:
-        """Add a piece; True if a stop string appeared (the text is then cut before it)."""
-        searched_from = max(len(self.text) - self.hold, 0)
-        self.text += piece
-        hits = [i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-        return bool(hits)
-
-    def take(self, finished: bool) -> str:
-        """The text made final since the last take: all of it once finished."""
-        end = len(self.text) if finished else max(len(self.text) - self.hold, self.emitted)
-        piece, self.emitted = self.text[self.emitted : end], end
-        return piece
-
-
-class TextState:
-    """A sequence's text so far, decoded token by token, with its stop strings applied."""
-
-    def __init__(self, tokenizer: Tokenizer, params: RequestParams):
-        self.detok = StreamingDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self.stop = StopText(params.stop)
-
-    def push(self, token_id: int) -> bool:
-        """Add a token's text; True if a stop string appeared."""
-        return self.stop.push(self.detok.push(token_id))
-
-    def take(self, finished: bool, stopped: bool) -> str:
-        if finished and not stopped:
-            self.stop.push(self.detok.flush())  # a last incomplete character, as decode() would show it
-        return self.stop.take(finished)
 
 
 class LLMEngine:
@@ -109,7 +66,7 @@ class LLMEngine:
         self.num_preemptions = 0  # over the engine's life (metrics)
         self.num_aborted = 0
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> Sequence:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; it joins the running batch at a coming step. Bad requests raise GenerationError."""
         if request_id in self.sequences:
             raise GenerationError(f"request id {request_id!r} is already in use")
@@ -122,11 +79,11 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, max_tokens, frozenset(eos), generator)
         self.sequences[request_id] = seq
         if self.tokenizer is not None:
-            self.texts[request_id] = TextState(self.tokenizer, params)
+            self.texts[request_id] = TextState(self.tokenizer, params.stop, params.skip_special_tokens)
         self.scheduler.add(seq)
         return seq
 
-    def check_prompt(self, prompt_ids: list[int], params: RequestParams) -> int:
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The request's max_tokens, clipped to the context (None: all that fit); raises if it can never run."""
         if not prompt_ids:
             raise GenerationError("the prompt is empty; send at least one token")

@@ -1,6 +1,6 @@
-"""The offline API, in vLLM's shape and names, so vLLM's snippets run unchanged:
+"""The offline API over the engine, in vLLM's shape and names, so vLLM's snippets run unchanged:
 
-    from qwen3_scratch.llm import LLM, SamplingParams
+    from qwen3_scratch import LLM, SamplingParams
     llm = LLM("Qwen/Qwen3-0.6B")
     outputs = llm.generate(["Hello, my name is", "The capital of France is"],
                            SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=0))
@@ -9,25 +9,24 @@
     chat = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=256))
     print(chat[0].outputs[0].message["reasoning_content"], chat[0].outputs[0].message["content"])
 
-`SamplingParams` here is vLLM's (a whole request: filters + max_tokens + stop + seed), defined in
-params.py as `RequestParams`; `qwen3_scratch.sampling.SamplingParams` is only the logits filter.
-All prompts go to the engine at once; continuous batching runs them (engine.py).
+All prompts go to the engine at once; continuous batching runs them (engine.py). Sampling fields a
+request leaves unset take the checkpoint's defaults (sampling/params.py), as on every other path.
 """
 
 import itertools
 from dataclasses import dataclass, field
 
-from .chat_parser import parse_assistant, prompt_opens_thinking
-from .engine import LLMEngine, StopText
-from .params import RequestParams
-from .pipeline import pick_device, pick_dtype
-from .hub import resolve_checkpoint
-from .kv_cache import kv_cache_bytes
-from .sampling import load_generation_config, stop_token_ids
-from .tokenizer import Tokenizer
-from .weights import load_model
+from qwen3_scratch.checkpoint.hub import resolve_checkpoint
+from qwen3_scratch.checkpoint.placement import pick_device, pick_dtype
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.model.kv_cache import kv_cache_bytes
+from qwen3_scratch.sampling.defaults import load_generation_config, stop_token_ids
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.chat_parser import parse_assistant, prompt_opens_thinking
+from qwen3_scratch.text.stop import AnswerStop
+from qwen3_scratch.text.tokenizer import Tokenizer
 
-SamplingParams = RequestParams  # vLLM's name for it; see params.py for why the package says RequestParams
+from .engine import LLMEngine
 
 GIB = 2**30
 
@@ -79,7 +78,7 @@ class LLM:
         self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                              verify=verify)  # fmt: skip
         device = pick_device(device)
-        # Laid out for batches: q/k/v and gate/up fused, matrices prepacked on a CPU (fuse.py).
+        # Laid out for batches: q/k/v and gate/up fused, matrices prepacked on a CPU (kernels/fuse.py).
         self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), optimize="batch")
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.generation_config = load_generation_config(self.checkpoint)
@@ -95,15 +94,11 @@ class LLM:
     def eos_ids(self) -> list[int]:
         return stop_token_ids(self.generation_config, self.model.config.eos_token_ids, self.tokenizer.eos_token_id)
 
-    def get_default_sampling_params(self) -> RequestParams:
+    def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json sampling defaults, as vLLM's LLM uses them."""
-        g = self.generation_config
-        keys = {k: g[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in g}
-        if g.get("do_sample") is False:
-            keys["temperature"] = 0.0
-        return RequestParams(**keys)
+        return SamplingParams().with_defaults(self.generation_config)
 
-    def generate(self, prompts, sampling_params: RequestParams | list[RequestParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. prompts: str, list of str, or list of token-id lists."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -126,15 +121,13 @@ class LLM:
             thinking = prompt_opens_thinking(out.prompt_token_ids, self.tokenizer)
             completion = out.outputs[0]
             completion.message = parse_assistant(completion.token_ids, self.tokenizer, in_reasoning=thinking)
-            content = StopText(p.stop if p is not None else [])  # the answer ends before a stop string
-            content.push(completion.message["content"])
-            completion.message["content"] = content.take(finished=True)
+            # the answer ends before a stop string
+            completion.message["content"] = AnswerStop.cut(completion.message["content"], p.stop if p else [])
         return outputs
 
     def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = [(p or SamplingParams()).with_defaults(self.generation_config) for p in params]
         outputs: dict[str, RequestOutput] = {}
         for (text, ids), p in zip(prompts, params):
             request_id = str(next(self._ids))

@@ -15,7 +15,8 @@ Shapes: B rows, T tokens per row, S keys per row, V vocab, bs block_size.
 
 import torch
 
-from .model import Qwen3
+from qwen3_scratch.model.qwen3 import Qwen3
+
 from .paged_cache import PagedKVCache
 from .scheduler import Chunk, ScheduledBatch
 

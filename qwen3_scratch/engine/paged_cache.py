@@ -1,6 +1,6 @@
 """The paged KV cache: one preallocated pool of fixed-size blocks, read through block tables.
 
-The static cache (kv_cache.py) gives each row of a batch its own contiguous run of slots, sized for
+The static cache (model/kv_cache.py) gives each row of a batch its own contiguous run of slots, sized for
 the longest generation up front. A server does not know its batch in advance: requests come and go,
 and their lengths differ by 100x. So memory is cut into blocks of `block_size` token slots, shared
 by all requests; a request holds a list of blocks (its block table, block_manager.py) and grows by
@@ -25,7 +25,7 @@ Slots are numbered block_id * block_size + offset. The pool is stored head-major
 indexes slots (index_copy_), and a gather picks whole blocks of a (K, num_blocks, block_size * D) view with
 one index_select, so each kv head's keys for a row come out as one contiguous (S, D) matrix, batched in
 (K, B) order. That order matters: batched matmuls over a strided gather (rows K * D apart) ran 8x slower
-than over contiguous keys on a CPU, and one_query_attention (model.py) reads (K, B)-ordered keys as they are.
+than over contiguous keys on a CPU, and one_query_attention (model/qwen3.py) reads (K, B)-ordered keys as they are.
 
 Shapes: L layers, N pool slots (num_blocks x block_size), K kv heads, D head_dim,
 B rows, T new tokens per row, S keys attended per row.
@@ -33,7 +33,7 @@ B rows, T new tokens per row, S keys attended per row.
 
 import torch
 
-from .config import Qwen3Config
+from qwen3_scratch.model.config import Qwen3Config
 
 
 class PagedKVCache:
@@ -53,7 +53,7 @@ class PagedKVCache:
 
 
 class PagedView:
-    """One forward's window on the pool, in the interface model.py's attention expects from a cache.
+    """One forward's window on the pool, in the interface model/qwen3.py's attention expects from a cache.
 
     write_slots (B, T): the pool slot of each new token's key/value.
     read_blocks (B, W): each row's block table, right-padded with any valid block id to the widest

@@ -27,8 +27,9 @@ from enum import Enum
 
 import torch
 
+from qwen3_scratch.sampling.params import SamplingParams
+
 from .block_manager import BlockManager
-from .params import RequestParams
 
 
 class Status(Enum):
@@ -42,7 +43,7 @@ class Sequence:
     request_id: str
     token_ids: list[int]  # prompt then output; grows by one token per sampled step
     num_prompt_tokens: int
-    params: RequestParams
+    params: SamplingParams
     max_tokens: int  # new tokens at most: params.max_tokens clipped to the context
     eos_ids: frozenset[int]
     generator: torch.Generator | None = None  # a seeded request's own RNG

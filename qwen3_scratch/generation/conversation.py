@@ -10,7 +10,7 @@ The new prompt is not always the old sequence plus the new message. Qwen3's temp
 of past turns, so the reply just generated (`<think>...</think>answer`) comes back shorter; a caller may
 edit an earlier message. So the cache remembers the token id in each of its slots, and each turn keeps
 the longest common prefix of those ids and the new prompt and prefills the rest, over the unchanged
-model (explicit slots, positions and mask, as generate.py's `prefill` and `decode_step` use it).
+model (explicit slots, positions and mask, as loops.py's `prefill` and `decode_step` use it).
 
 Shapes: S cache slots, T tokens in one forward, V vocab.
 """
@@ -21,13 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .chat_parser import Delta, StreamParser, prompt_opens_thinking
-from .errors import GenerationError
-from .generate import CACHE_BLOCK, plan_new_tokens
-from .kv_cache import KVCache, attended_slots, attention_mask
-from .model import Qwen3
-from .sampling import NON_FINITE, resolve_sampling_params, sample
-from .tokenizer import Tokenizer
+from qwen3_scratch.errors import GenerationError
+from qwen3_scratch.model.kv_cache import KVCache, attended_slots, attention_mask
+from qwen3_scratch.model.qwen3 import Qwen3
+from qwen3_scratch.sampling.logits import NON_FINITE, sample
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.chat_parser import Delta, StreamParser, prompt_opens_thinking
+from qwen3_scratch.text.stop import AnswerStop, TextState
+from qwen3_scratch.text.tokenizer import Tokenizer
+
+from .loops import CACHE_BLOCK, plan_new_tokens
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -143,20 +146,23 @@ class Conversation:
         self.last_ids: list[int] = []  # the generated ids of the last turn, EOS included
         self.last_stats: TurnStats | None = None
 
-    def stream(self, messages: list[dict], request, tools=None, thinking: bool = True) -> Iterator[Delta]:
+    def stream(self, messages: list[dict], params: SamplingParams, tools=None, thinking: bool = True) -> Iterator[Delta]:
         """Yield the reply to `messages` as typed pieces; `last_message` holds it once the stream ends.
 
-        request: a pipeline.GenerationRequest (its sampling fields, max_new_tokens, seed, ignore_eos).
-        Closing the stream early (Ctrl-C) still leaves what was generated so far in `last_message`.
+        params: its unset fields take the checkpoint's defaults. The reply ends at EOS, a stop token,
+        max_tokens or the context end; at a stop string the answer ends before it. Closing the stream
+        early (Ctrl-C) still leaves what was generated so far in `last_message`.
         """
+        params = params.with_defaults(self.generation_config)
+        context = self.model.config.max_position_embeddings
         prompt = self.tokenizer.chat_ids(messages, enable_thinking=thinking, tools=tools)
-        n_new = plan_new_tokens(len(prompt), request.max_new_tokens, self.model.config.max_position_embeddings)
-        params = resolve_sampling_params(
-            self.generation_config, request.temperature, request.top_k, request.top_p, request.min_p
-        )
+        n_new = plan_new_tokens(len(prompt), params.max_tokens or context, context)
         generator = None
-        if request.seed is not None:
-            generator = torch.Generator(self.model.device).manual_seed(request.seed)
+        if params.seed is not None:
+            generator = torch.Generator(self.model.device).manual_seed(params.seed)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        text = TextState(self.tokenizer, params.stop, params.skip_special_tokens)  # ends the turn at a stop string
+        shown = AnswerStop(params.stop)
         parser = StreamParser(self.tokenizer, in_reasoning=prompt_opens_thinking(prompt, self.tokenizer))
         if not self.reuse:
             self.cache.reset()
@@ -166,23 +172,25 @@ class Conversation:
         try:
             logits = self.cache.prefill(prompt, reserve=n_new)  # (1, V)
             for i in range(n_new):
-                token = int(sample(logits, params, generator))  # the host sync streaming needs anyway
+                token = int(sample(logits, params.logits_filter, generator))  # the host sync streaming needs anyway
                 if token == NON_FINITE:
                     raise GenerationError(f"stopped at generated token {i + 1}: the model's logits are NaN or inf; "
                                           "try --dtype float32, or download the checkpoint again")  # fmt: skip
                 ttft = ttft if ttft is not None else time.perf_counter() - start
                 self.last_ids.append(token)
-                yield from parser.push(token)
-                if token in self.eos_ids and not request.ignore_eos:
+                stopped = text.push(token)
+                yield from shown.pieces(parser.push(token))
+                if stopped or token in stop_ids:
                     break
                 if i + 1 < n_new:
                     logits = self.cache.step(token)
             finished = True
-            yield from parser.finish()
+            yield from shown.pieces(parser.finish(), finished=True)
         finally:
             if not finished:
                 parser.finish()  # interrupted: the tokens so far still make a message
             self.last_message = parser.message()
+            self.last_message["content"] = AnswerStop.cut(self.last_message["content"], params.stop)
             elapsed = time.perf_counter() - start
             self.last_stats = TurnStats(len(prompt), reused, len(self.last_ids), parser.reasoning_tokens,
                                         ttft if ttft is not None else elapsed, elapsed)  # fmt: skip

@@ -5,21 +5,12 @@ Two loops share one model:
   - KV cache: `prefill` runs the prompt once and fills the cache, then each `decode_step` runs only
     the newest token against the cached keys/values.
 Both yield one (B,) tensor of token ids per step; finished rows yield -1, and a row whose logits were
-not finite yields -2 (sampling.NON_FINITE: the caller must stop). Several prompts run as one
+not finite yields -2 (sampling.logits.NON_FINITE: the caller must stop). Several prompts run as one
 left-padded batch: each row gets its own RoPE positions and a mask that hides its padding, so a
 row's tokens are the same as if it ran alone.
 
-`python -m qwen3_scratch.generate` runs the command-line interface (cli.py).
-
 Shapes: B batch, T tokens, S cache slots, V vocab.
 """
-
-if __name__ == "__main__":
-    # `python -m qwen3_scratch.generate`: hand over to the CLI before the imports below, so that
-    # importing torch (seconds) runs inside the CLI's Ctrl-C handling: exit 130, no traceback.
-    from qwen3_scratch.cli import main
-
-    raise SystemExit(main())
 
 import weakref
 from collections.abc import Iterator
@@ -27,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import GenerationError
-from .kv_cache import KVCache, attended_slots, attention_mask
-from .model import Qwen3
-from .sampling import SamplingParams, sample
+from qwen3_scratch.errors import GenerationError
+from qwen3_scratch.model.kv_cache import KVCache, attended_slots, attention_mask
+from qwen3_scratch.model.qwen3 import Qwen3
+from qwen3_scratch.sampling.logits import LogitsFilter, sample
 
 
 @dataclass
@@ -148,7 +139,7 @@ def generate_tokens(
     model: Qwen3,
     prompts: list[list[int]],
     max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(temperature=0.0),
+    sampling: LogitsFilter = LogitsFilter(temperature=0.0),
     eos_ids: list[int] = (),
     generator: torch.Generator | None = None,
     use_cache: bool = True,

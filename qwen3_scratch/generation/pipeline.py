@@ -1,44 +1,37 @@
-"""Text in, text out: the small Python API that the CLI, the notebook and the tests share.
+"""Text in, text out: the Python API over the simple loops, which the CLI, the notebook and the tests share.
 
     pipe = Pipeline.load("Qwen/Qwen3-0.6B")            # download (once) and load
-    for piece in pipe.stream("Explain KV cache in one sentence."):
+    for piece in pipe.stream("Explain KV cache in one sentence.", SamplingParams(max_tokens=64)):
         print(piece, end="", flush=True)
     print(pipe.last_stats.line())
 
 It glues the stages together (checkpoint -> tokenizer + chat template -> token ids -> generate_tokens
--> streaming detokenizer) and measures the run; each stage lives in its own module.
+-> streaming detokenizer and stop strings) and measures the run; each stage lives in its own module.
+One prompt or a fixed batch at a time, through the fastest batch-1 path; many requests arriving at
+any time are the engine's job (`qwen3_scratch.LLM`, engine/llm.py).
 """
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import closing
 from pathlib import Path
 
 import torch
 
-from .chat_parser import Delta
+from qwen3_scratch.checkpoint.hub import resolve_checkpoint
+from qwen3_scratch.checkpoint.placement import DEFAULT_MODEL, pick_device, pick_dtype
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.errors import GenerationError
+from qwen3_scratch.sampling.defaults import load_generation_config, stop_token_ids
+from qwen3_scratch.sampling.logits import NON_FINITE
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.chat_parser import Delta
+from qwen3_scratch.text.limits import DEFAULT_BATCH_SIZE, MAX_BYTES_PER_TOKEN, check_prompt, count_tokens_upto
+from qwen3_scratch.text.stop import TextState
+from qwen3_scratch.text.tokenizer import Tokenizer
+
 from .conversation import Conversation
-from .errors import GenerationError
-from .generate import generate_tokens
-from .hub import resolve_checkpoint
-from .inputs import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_MODEL,
-    MAX_BYTES_PER_TOKEN,
-    canonical_dtype,
-    check_prompt,
-    count_tokens_upto,
-)
-from .sampling import (
-    NON_FINITE,
-    check_min_p,
-    check_temperature,
-    check_top_k,
-    check_top_p,
-    load_generation_config,
-    resolve_sampling_params,
-    stop_token_ids,
-)
+from .loops import generate_tokens
 from .stats import (
     GenerationStats,
     bytes_per_decode_step,
@@ -47,81 +40,29 @@ from .stats import (
     reset_peak_memory,
     synchronize,
 )
-from .tokenizer import StreamingDetokenizer, Tokenizer
-from .weights import load_model
 
 CPU_COMPILE_REFUSAL = (
     "--compile is for CUDA (it replays decode as one CUDA graph); on a CPU the decode's matrix-vector "
     "products are already compiled at load, and compiling the whole step was measured 2x slower after "
     "2 minutes of compiling (docs/performance.md); drop --compile"
 )
-__all__ = ["DEFAULT_MODEL", "DEFAULT_BATCH_SIZE", "GenerationRequest", "Pipeline"]
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit unsigned seed
-
-
-@dataclass
-class GenerationRequest:
-    """Everything a generation needs besides the prompts; None means "the checkpoint's default"."""
-
-    max_new_tokens: int = 256
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    use_cache: bool = True
-    ignore_eos: bool = False
-    compile: bool = False
-    measure_bandwidth: bool = False
-
-    def __post_init__(self):
-        """Every value is checked here, before anything loads: errors name the CLI flag."""
-        ok = isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
-        if not ok or self.max_new_tokens < 1:
-            raise GenerationError(f"--max-new-tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        for value, check in ((self.temperature, check_temperature), (self.top_k, check_top_k),
-                             (self.top_p, check_top_p), (self.min_p, check_min_p)):  # fmt: skip
-            if value is not None:
-                check(value)
-        seed = self.seed
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
-            raise GenerationError(f"--seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
-
-
-def pick_device(device: str = "auto") -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise GenerationError("--device cuda: no CUDA GPU is available; use --device cpu")
-    if device not in ("cpu", "cuda"):
-        raise GenerationError(f"--device must be auto, cpu or cuda, got {device!r}")
-    return device
-
-
-def pick_dtype(dtype: str, device: str) -> str:
-    """torch's name for `dtype` (aliases such as half, bf16 and fp32 accepted). auto: bf16 on a GPU, and on
-    a CPU with native bf16 (avx512_bf16 or AMX), where decode reads half the bytes of fp32 and, with
-    prepacked weights, runs measurably faster (docs/performance.md); fp32 on other CPUs, where bf16
-    matmuls are emulated and slower than fp32 ones."""
-    dtype = canonical_dtype(dtype)
-    if dtype == "auto":
-        return "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
-    return dtype
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 in hardware (avx512_bf16 / AMX) and oneDNN will use it."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: trust oneDNN's own check alone
-        flags = "avx512_bf16"
-    native = "avx512_bf16" in flags or "amx_bf16" in flags
-    return native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+__all__ = ["DEFAULT_BATCH_SIZE", "Pipeline"]
 
 
 class Pipeline:
-    def __init__(self, model, tokenizer: Tokenizer, checkpoint: Path):
+    """One model, its tokenizer and the simple loops: text in, text (or typed chat pieces) out.
+
+    How every call runs is fixed when the pipeline is made: `use_cache` (False: the full-recompute
+    reference loop), `compile` (the decode step as CUDA graphs; refused on a CPU) and
+    `measure_bandwidth` (for the stats line's bandwidth_util). What a call samples is its
+    `SamplingParams`; None means SamplingParams() with the checkpoint's defaults."""
+
+    def __init__(self, model, tokenizer: Tokenizer, checkpoint: Path, *, use_cache: bool = True,
+                 compile: bool = False, measure_bandwidth: bool = False):  # fmt: skip
+        if compile and model.device.type == "cpu":
+            raise GenerationError(CPU_COMPILE_REFUSAL)
         self.model, self.tokenizer, self.checkpoint = model, tokenizer, Path(checkpoint)
+        self.use_cache, self.compile, self.measure_bandwidth = use_cache, compile, measure_bandwidth
         tokenizer.check_fits_model(model.config.vocab_size, self.checkpoint)
         self.generation_config = load_generation_config(self.checkpoint, model.config.vocab_size)
         self.last_stats: GenerationStats | None = None
@@ -130,13 +71,27 @@ class Pipeline:
 
     @classmethod
     def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto",
-             *, revision=None, verify=False, quantize=None):  # fmt: skip
+             *, revision=None, verify=False, quantize=None, use_cache=True, compile=False,
+             measure_bandwidth=False) -> "Pipeline":  # fmt: skip
+        """Resolve `model` (a folder, or a Hub id downloaded into weights_dir), load it laid out for
+        batch-1 decode (kernels/layout.py) on `device` in `dtype` (checkpoint/placement.py's rule)."""
+        device = pick_device(device)
+        if compile and device == "cpu":  # before any download or load
+            raise GenerationError(CPU_COMPILE_REFUSAL)
         folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                     verify=verify)  # fmt: skip
-        device = pick_device(device)
         tokenizer = Tokenizer.from_checkpoint(folder)
         weights = load_model(folder, device, pick_dtype(dtype, device), optimize="decode", quantize=quantize)
-        return cls(weights, tokenizer, folder)
+        return cls(weights, tokenizer, folder, use_cache=use_cache, compile=compile,
+                   measure_bandwidth=measure_bandwidth)  # fmt: skip
+
+    def resolve(self, params: SamplingParams | None) -> SamplingParams:
+        """params (None: SamplingParams()) with the checkpoint's defaults for what it leaves unset."""
+        return (params or SamplingParams()).with_defaults(self.generation_config)
+
+    def stop_ids(self, params: SamplingParams) -> set[int]:
+        """The ids that end a row: the request's stop_token_ids, and EOS unless it ignores EOS."""
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
 
     @property
     def device(self) -> torch.device:
@@ -172,50 +127,50 @@ class Pipeline:
         if len(text) >= context and (n := count_tokens_upto(self.tokenizer.encode, text, context)) >= context:
             raise GenerationError(f"{what} is at least {n} tokens but the model's context is {context}; shorten the prompt")
 
-    def stream_ids(self, prompts: list[list[int]], request: GenerationRequest) -> Iterator[list[int]]:
-        """Yield each step's new token per row (-1 for finished rows), timing the run into last_stats.
+    def stream_ids(self, prompts: list[list[int]], params: SamplingParams | None = None) -> Iterator[list[int]]:
+        """Yield each step's new token per row (-1 for finished rows), timing the run into last_stats
+        (also when the caller stops early, at a stop string).
 
         Logits that turn NaN or inf raise GenerationError at that step, naming it (sample() marks the
         row on the device; the .tolist() that streaming needs anyway is where we see the mark)."""
-        if request.compile and self.device.type == "cpu":
-            raise GenerationError(CPU_COMPILE_REFUSAL)
-        params = resolve_sampling_params(
-            self.generation_config, request.temperature, request.top_k, request.top_p, request.min_p
-        )
+        params = self.resolve(params)
         generator = None
-        if request.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(request.seed)
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        max_new = params.max_tokens or self.model.config.max_position_embeddings  # None: all that fit
         reset_peak_memory(self.device)
         start = time.perf_counter()
         ttft, steps, generated, first = None, 0, 0, 0
         tokens = generate_tokens(
-            self.model, prompts, request.max_new_tokens, params, self.eos_ids, generator,
-            use_cache=request.use_cache, ignore_eos=request.ignore_eos, pad_id=pad_id, compile=request.compile,
+            self.model, prompts, max_new, params.logits_filter, self.stop_ids(params), generator,
+            use_cache=self.use_cache, pad_id=pad_id, compile=self.compile,
         )  # fmt: skip
-        for step_tokens in tokens:
-            row_tokens = step_tokens.tolist()  # the host sync streaming needs
-            if NON_FINITE in row_tokens:
-                raise GenerationError(
-                    f"stopped at generated token {steps + 1} (batch row {row_tokens.index(NON_FINITE) + 1}): "
-                    f"the model's logits are NaN or inf ({self.model.activation_dtype} overflowed, or the "
-                    "weights are damaged); try --dtype float32, or download the checkpoint again"
-                )  # fmt: skip
-            if ttft is None:
-                ttft = time.perf_counter() - start
-                first = sum(t >= 0 for t in row_tokens)
-            steps += 1
-            generated += sum(t >= 0 for t in row_tokens)
-            yield row_tokens
-        synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        self._record(prompts, request, steps, generated, generated - first, elapsed, ttft or elapsed)
+        try:
+            for step_tokens in tokens:
+                row_tokens = step_tokens.tolist()  # the host sync streaming needs
+                if NON_FINITE in row_tokens:
+                    raise GenerationError(
+                        f"stopped at generated token {steps + 1} (batch row {row_tokens.index(NON_FINITE) + 1}): "
+                        f"the model's logits are NaN or inf ({self.model.activation_dtype} overflowed, or the "
+                        "weights are damaged); try --dtype float32, or download the checkpoint again"
+                    )  # fmt: skip
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                    first = sum(t >= 0 for t in row_tokens)
+                steps += 1
+                generated += sum(t >= 0 for t in row_tokens)
+                yield row_tokens
+        finally:
+            if steps:
+                synchronize(self.device)
+                elapsed = time.perf_counter() - start
+                self._record(prompts, steps, generated, generated - first, elapsed, ttft)
 
-    def _record(self, prompts, request, steps, generated, decode_tokens, elapsed, ttft):
+    def _record(self, prompts, steps, generated, decode_tokens, elapsed, ttft):
         width = max(len(p) for p in prompts)
-        context = self.model.config.max_position_embeddings
-        self.last_stop_reason = "context" if width + steps >= context else None
         config = self.model.config
+        self.last_stop_reason = "context" if width + steps >= config.max_position_embeddings else None
         self.last_stats = GenerationStats(
             prompt_tokens=sum(len(p) for p in prompts),
             generated_tokens=generated,
@@ -225,52 +180,64 @@ class Pipeline:
             decode_tokens=decode_tokens,
             batch_size=len(prompts),
             device=str(self.device),
-            dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),
+            dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),  # int8 when quantized
             peak_memory_bytes=peak_memory_bytes(self.device),
             # the cache grows during decode; its mean length is what a step reads on average
             bytes_per_step=bytes_per_decode_step(self.model, config, width + steps // 2, len(prompts)),
-            bandwidth_bytes_per_second=measure_bandwidth(self.device) if request.measure_bandwidth else None,
+            bandwidth_bytes_per_second=measure_bandwidth(self.device) if self.measure_bandwidth else None,
         )
 
-    def stream(self, prompt: str, request: GenerationRequest | None = None, **template) -> Iterator[str]:
-        """Yield text pieces of one completion as they are generated (never half a character)."""
-        request = request or GenerationRequest()
+    def stream(self, prompt: str, params: SamplingParams | None = None, **template) -> Iterator[str]:
+        """Yield text pieces of one completion as they are generated (never half a character), ending
+        before the first of params.stop."""
+        params = self.resolve(params)
         ids = self.prompt_ids(prompt, **template)
-        detok = StreamingDetokenizer(self.tokenizer, skip_special_tokens=True)
+        text = TextState(self.tokenizer, params.stop, params.skip_special_tokens)
         self.last_prompt_ids, self.last_ids = ids, []  # for counting reasoning tokens afterwards
-        for (token,) in self.stream_ids([ids], request):
-            if token >= 0:
+        stopped = False
+        with closing(self.stream_ids([ids], params)) as steps:
+            for (token,) in steps:
+                if token < 0:
+                    continue
                 self.last_ids.append(token)
-            if token >= 0 and (piece := detok.push(token)):
-                yield piece
-        if tail := detok.flush():
+                stopped = text.push(token)
+                if piece := text.take(finished=stopped, stopped=stopped):
+                    yield piece
+                if stopped:
+                    return
+        if tail := text.take(finished=True, stopped=False):
             yield tail
 
-    def generate(self, prompts: list[str], request: GenerationRequest | None = None,
+    def generate(self, prompts: list[str], params: SamplingParams | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, **template) -> list[str]:  # fmt: skip
         """Complete several prompts, batch_size at a time; returns one text per prompt."""
-        return [text for texts in self.generate_batches(prompts, request, batch_size, **template) for text in texts]
+        return [text for texts in self.generate_batches(prompts, params, batch_size, **template) for text in texts]
 
-    def generate_batches(self, prompts: list[str], request: GenerationRequest | None = None,
+    def generate_batches(self, prompts: list[str], params: SamplingParams | None = None,
                          batch_size: int = DEFAULT_BATCH_SIZE, **template) -> Iterator[list[str]]:  # fmt: skip
         """Yield the texts of prompts[0:batch_size], then of the next batch_size, ... as each batch
         ends; last_stats and last_stop_reason describe the batch just yielded.
 
         Each batch is one left-padded generation with its own KV cache, so memory follows batch_size,
-        not len(prompts), and a prompt is tokenized only when its batch runs.
+        not len(prompts), and a prompt is tokenized only when its batch runs. A batch ends when every
+        row has met EOS or a stop string (a row past its stop string rides along, its tokens unused).
         """
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise GenerationError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
-        request = request or GenerationRequest()
+        params = self.resolve(params)
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             batch = [self.prompt_ids(p, **template, what=f"prompt {start + i + 1}") for i, p in enumerate(chunk)]
-            outputs: list[list[int]] = [[] for _ in chunk]
-            for row_tokens in self.stream_ids(batch, request):
-                for row, token in enumerate(row_tokens):
-                    if token >= 0:
-                        outputs[row].append(token)
-            yield [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+            texts = [TextState(self.tokenizer, params.stop, params.skip_special_tokens) for _ in chunk]
+            stopped = [False] * len(chunk)
+            with closing(self.stream_ids(batch, params)) as steps:
+                for row_tokens in steps:
+                    for row, token in enumerate(row_tokens):
+                        if token >= 0 and not stopped[row]:
+                            stopped[row] = texts[row].push(token)
+                    if all(s or token < 0 for s, token in zip(stopped, row_tokens)):
+                        break
+            yield [text.take(finished=True, stopped=s) for text, s in zip(texts, stopped)]
 
     @property
     def conversation(self) -> Conversation:
@@ -279,24 +246,24 @@ class Pipeline:
             self._conversation = Conversation(self.model, self.tokenizer, self.eos_ids, self.generation_config)
         return self._conversation
 
-    def chat_stream(self, messages: list[dict], request: GenerationRequest | None = None, tools=None,
+    def chat_stream(self, messages: list[dict], params: SamplingParams | None = None, tools=None,
                     thinking: bool = True) -> Iterator[Delta]:  # fmt: skip
         """Yield the assistant's reply to `messages` as typed pieces: reasoning text, answer text, finished
         tool calls. The KV cache of the previous turn is reused as far as the two prompts agree;
         `self.conversation.last_message` is the reply (also after the stream is closed early)."""
-        request, conversation = request or GenerationRequest(), self.conversation
+        conversation = self.conversation
         try:
-            yield from conversation.stream(messages, request, tools, thinking)
+            yield from conversation.stream(messages, self.resolve(params), tools, thinking)
         finally:
             if (turn := conversation.last_stats) is not None:
                 steps = turn.generated_tokens
-                self._record([conversation.last_prompt], request, steps, steps, max(steps - 1, 0),
+                self._record([conversation.last_prompt], steps, steps, max(steps - 1, 0),
                              turn.elapsed_seconds, turn.ttft_seconds)  # fmt: skip
 
-    def chat(self, messages: list[dict], request: GenerationRequest | None = None, tools=None,
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, tools=None,
              thinking: bool = True) -> dict:  # fmt: skip
         """The assistant's reply to `messages`: {"role": "assistant", "content", "reasoning_content",
         ["tool_calls"]}. Append it and the next user message to continue the conversation."""
-        for _ in self.chat_stream(messages, request, tools, thinking):
+        for _ in self.chat_stream(messages, params, tools, thinking):
             pass
         return self.conversation.last_message

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Qwen3Config
-from .moe import SparseMoeBlock
+from qwen3_scratch.model.config import Qwen3Config
+from qwen3_scratch.model.moe import SparseMoeBlock
 
 _BANDWIDTH_CACHE: dict[str, float] = {}
 

@@ -24,10 +24,11 @@ Shapes: C hidden_size, H query heads, K kv heads, D head_dim, F intermediate_siz
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import KVCache, attention_mask
+from qwen3_scratch.model.kv_cache import KVCache, attention_mask
+from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, rms_norm
+from qwen3_scratch.model.rope import apply_rope
+
 from .matvec import kernel
-from .model import MLP, DecoderLayer, Qwen3, rms_norm
-from .rope import apply_rope
 
 
 def heads(q, k, v, q_weight, k_weight, cos, sin, *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
@@ -63,7 +64,7 @@ class CPUDecoderLayer(DecoderLayer):
         q, k, v = self.kernel(heads, q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, **shape)
         y = attn.o_proj(attn.attend(q, k, v, mask, cache, cache_slots))  # (1, 1, C)
         x, h = self.kernel(residual_norm, x, y, self.post_attention_layernorm.weight, eps=eps)
-        if not isinstance(mlp, MLP):  # a mixture of experts keeps its own forward (moe.py)
+        if not isinstance(mlp, MLP):  # a mixture of experts keeps its own forward (model/moe.py)
             return x + mlp(h)
         if hasattr(mlp, "gate_up_proj"):
             gate, up = mlp.gate_up_proj(h).split(mlp.gate_up_proj.split_sizes, dim=-1)

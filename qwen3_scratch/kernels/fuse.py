@@ -21,8 +21,8 @@ Shapes: C hidden_size, H query heads, K kv heads, D head_dim, F intermediate_siz
 import torch
 from torch import nn
 
-from .model import MLP, Qwen3
-from .moe import SparseMoeBlock
+from qwen3_scratch.model.moe import SparseMoeBlock
+from qwen3_scratch.model.qwen3 import MLP, Qwen3
 
 
 def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -44,14 +44,14 @@ def fuse_projections(model: Qwen3) -> Qwen3:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])  # (H*D + 2*K*D, C)
         del attn.q_proj, attn.k_proj, attn.v_proj  # the separate matrices are freed layer by layer
-        if isinstance(mlp, MLP):  # a MoE layer's experts keep their own layout (moe.py)
+        if isinstance(mlp, MLP):  # a MoE layer's experts keep their own layout (model/moe.py)
             mlp.gate_up_proj = fused_linear([mlp.gate_proj, mlp.up_proj])  # (2F, C)
             del mlp.gate_proj, mlp.up_proj
     return model
 
 
 def in_moe_block(model: Qwen3, name: str) -> bool:
-    """True for the router and experts of a MoE layer, which these transforms leave as moe.py wrote them."""
+    """True for the router and experts of a MoE layer, which these transforms leave as model/moe.py wrote them."""
     parts = name.split(".")
     return any(isinstance(model.get_submodule(".".join(parts[:i])), SparseMoeBlock) for i in range(1, len(parts)))
 

@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen3_scratch.model.qwen3 import Qwen3
+
 from .fuse import replace_linears
-from .model import Qwen3
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import CheckpointError
+from qwen3_scratch.errors import CheckpointError
+from qwen3_scratch.model.qwen3 import Qwen3
+
 from .fuse import replace_linears
 from .matvec import kernel, matvec_int8, one_row, unavailable_reason
-from .model import Qwen3
 
 SCHEMES = ("int8",)
 

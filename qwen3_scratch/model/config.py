@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, printable
-from .files import read_json
+from qwen3_scratch.errors import ConfigError, printable
+from qwen3_scratch.files import read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -61,7 +61,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
     def project_qkv(self, x):
-        """q, k, v from x (B, T, C). After fuse.py's load-time transform, one matmul (qkv_proj) reads all
+        """q, k, v from x (B, T, C). After kernels/fuse.py's load-time transform, one matmul (qkv_proj) reads all
         three matrices: one weight stream instead of three, which is what batch-1 decode is bound by."""
         if hasattr(self, "qkv_proj"):
             return self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
@@ -136,7 +136,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(Fi, C, bias=False)
 
     def forward(self, x):
-        if hasattr(self, "gate_up_proj"):  # fused at load time (fuse.py): one matmul for both
+        if hasattr(self, "gate_up_proj"):  # fused at load time (kernels/fuse.py): one matmul for both
             gate, up = self.gate_up_proj(x).split(self.gate_up_proj.split_sizes, dim=-1)  # (B, T, F) each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

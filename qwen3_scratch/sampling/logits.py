@@ -8,21 +8,19 @@ The filters compose in transformers' order: temperature -> top-k -> top-p -> min
 logits with the tokens it removes set to -inf, so the next filter (and softmax) simply ignores them.
 Temperature 0 means greedy: argmax of the raw logits, every other setting ignored.
 
-The checkpoint's generation_config.json supplies the defaults (Qwen3 ships temperature 0.6,
-top-k 20, top-p 0.95); command-line flags override them one by one.
+`LogitsFilter` holds only what this module needs (temperature, top-k, top-p, min-p); a request's
+whole settings are `SamplingParams` (params.py), whose `logits_filter` is one of these.
 
 Shapes: B batch rows, V vocab.
 """
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .errors import GenerationError, printable
-from .files import read_json
+from qwen3_scratch.errors import GenerationError, printable
 
 # float32 softmax + cumsum puts each cumulative probability a few ulps (~1e-7) off its exact value,
 # so a set whose true mass is exactly p can come out as p - 1ulp and drag in one more token.
@@ -38,41 +36,44 @@ MIN_TEMPERATURE = 1e-4
 NON_FINITE = -2
 
 
-def _check(ok: bool, label: str, rule: str, value) -> None:
+def require(ok: bool, label: str, rule: str, value) -> None:
+    """Unless ok: GenerationError "`label` must be `rule`, got `value`" (the value made printable)."""
     if not ok:
         raise GenerationError(f"{label} must be {rule}, got {printable(repr(value), limit=80)}")
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_temperature(value, label: str = "--temperature") -> None:
-    ok = _is_number(value) and math.isfinite(value) and (value == 0 or value >= MIN_TEMPERATURE)
-    _check(ok, label, f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}", value)
+    ok = is_number(value) and math.isfinite(value) and (value == 0 or value >= MIN_TEMPERATURE)
+    require(ok, label, f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}", value)
 
 
 def check_top_k(value, label: str = "--top-k") -> None:
-    _check(_is_int(value) and value >= 0, label, "an integer >= 0", value)
+    require(is_int(value) and value >= 0, label, "an integer >= 0", value)
 
 
 def check_top_p(value, label: str = "--top-p") -> None:
     # written as `0 < p <= 1` so that NaN fails too
-    _check(_is_number(value) and 0 < value <= 1, label, "in (0, 1]", value)
+    require(is_number(value) and 0 < value <= 1, label, "in (0, 1]", value)
 
 
 def check_min_p(value, label: str = "--min-p") -> None:
     # min_p = 1 would drop every token but exact ties with the top one: greedy in disguise, so refuse it
-    _check(_is_number(value) and 0 <= value < 1, label, "in [0, 1)", value)
+    require(is_number(value) and 0 <= value < 1, label, "in [0, 1)", value)
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to turn logits into a token. The defaults are plain sampling from softmax(logits)."""
+class LogitsFilter:
+    """How to turn logits into a token. The defaults are plain sampling from softmax(logits).
+
+    Frozen and hashable: the engine groups the rows of a step that share one filter."""
 
     temperature: float = 1.0  # divides the logits; 0 means greedy (argmax), the other fields ignored
     top_k: int = 0  # keep the k highest logits (ties with the k-th all kept); 0 = off
@@ -140,7 +141,7 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, params: LogitsFilter) -> torch.Tensor:
     """All filters in transformers' order, on float32 logits (B, V). Not for greedy params."""
     logits = apply_temperature(logits.float(), params.temperature)
     logits = top_k_filter(logits, params.top_k)
@@ -148,7 +149,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return min_p_filter(logits, params.min_p)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row: (B, V) logits -> (B,) long ids on the logits' device.
 
     `generator` must live on the logits' device; None uses torch's global RNG.
@@ -175,75 +176,3 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # an exact 0 draw would turn 0 / 0 into NaN, which argmax ranks above every number
     noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return torch.where(finite, (probs / noise).argmax(dim=-1), NON_FINITE)
-
-
-def _read_eos(value, path: Path) -> list[int]:
-    ids = [value] if _is_int(value) else value
-    if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
-        raise GenerationError(f"{path}: eos_token_id must be an integer or a list of integers, "
-                              f"got {printable(repr(value), 80)}")  # fmt: skip
-    return ids
-
-
-def stop_token_ids(generation_config: dict, config_eos: list[int], tokenizer_eos: int | None) -> list[int]:
-    """The ids that end a generation: generation_config.json's eos_token_id (Qwen3 lists <|im_end|> and
-    <|endoftext|> there), else config.json's, else the tokenizer's eos_token."""
-    ids = generation_config.get("eos_token_id") or config_eos
-    if not ids and tokenizer_eos is not None:
-        ids = [tokenizer_eos]
-    return list(ids)
-
-
-def load_generation_config(checkpoint_dir, vocab_size: int | None = None) -> dict:
-    """The checkpoint's generation defaults from generation_config.json; {} when there is none.
-
-    Returns only the keys the file sets (null counts as unset), checked and normalised:
-    temperature, top_k, top_p, min_p, do_sample (bool), eos_token_id (always list[int], each id
-    within vocab_size when given), max_new_tokens, max_length.
-    """
-    path = Path(checkpoint_dir) / "generation_config.json"
-    if not path.exists():
-        return {}
-    raw = {key: value for key, value in read_json(path, GenerationError, "fix or delete the file").items()
-           if value is not None}  # fmt: skip
-    checks = {"temperature": check_temperature, "top_k": check_top_k, "top_p": check_top_p, "min_p": check_min_p}
-    defaults: dict = {}
-    for key, check in checks.items():
-        if key in raw:
-            check(raw[key], label=f"{path}: {key}")
-            defaults[key] = raw[key]
-    for key in ("max_new_tokens", "max_length"):
-        if key in raw:
-            _check(_is_int(raw[key]) and raw[key] > 0, f"{path}: {key}", "a positive integer", raw[key])
-            defaults[key] = raw[key]
-    if "do_sample" in raw:
-        _check(isinstance(raw["do_sample"], bool), f"{path}: do_sample", "true or false", raw["do_sample"])
-        defaults["do_sample"] = raw["do_sample"]
-    if "eos_token_id" in raw:
-        defaults["eos_token_id"] = _read_eos(raw["eos_token_id"], path)
-        outside = [i for i in defaults["eos_token_id"] if vocab_size is not None and not 0 <= i < vocab_size]
-        if outside:  # such an id can never be sampled, so generation would never stop on it
-            raise GenerationError(f"{path}: eos_token_id {outside[0]} is outside the vocabulary "
-                                  f"[0, {vocab_size}) of config.json; fix or delete the file")  # fmt: skip
-    return defaults
-
-
-def resolve_sampling_params(
-    defaults: dict,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-) -> SamplingParams:
-    """Flags that are not None win; otherwise the checkpoint's value; otherwise SamplingParams' default.
-
-    `do_sample: false` in the checkpoint makes greedy the default (temperature 0), as transformers
-    does; an explicit temperature flag > 0 still turns sampling on. A missing do_sample does not
-    imply greedy: the file's sampling values are used.
-    """
-    chosen = {key: defaults[key] for key in ("temperature", "top_k", "top_p", "min_p") if key in defaults}
-    if defaults.get("do_sample") is False:
-        chosen["temperature"] = 0.0
-    flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
-    chosen.update({key: value for key, value in flags.items() if value is not None})
-    return SamplingParams(**chosen)

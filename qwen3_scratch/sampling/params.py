@@ -1,57 +1,121 @@
-"""What one request asks of the engine: how to sample, how long to go on, when to stop.
+"""`SamplingParams`: what one request asks for — how to sample, how long to go on, when to stop.
 
-Two classes, two jobs, on purpose:
-  - `sampling.SamplingParams` is a logits filter (temperature, top-k, top-p, min-p): how to turn one
-    row of logits into one token. The simple loops and the engine both apply it.
-  - `RequestParams` (this module) is a whole request in vLLM's shape: the filter's fields plus
-    max_tokens, stop strings, stop token ids and a seed. `qwen3_scratch.llm` exports it under vLLM's
-    name, `SamplingParams`, so `from qwen3_scratch.llm import LLM, SamplingParams` reads like vLLM;
-    inside the package it keeps its own name so the two are never confused.
+One class, in vLLM's names, for every way in: `Pipeline` and `LLM` take it, the CLIs build it from
+their flags, the server from a request's JSON. So a value is checked by one set of rules
+(`FIELD_CHECKS`, the table of limits below) wherever it comes from, and a message names the flag or
+field it came in by.
+
+    SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, stop=["\\n\\n"], seed=0)
+
+A sampling field left None means "the checkpoint's default": `with_defaults(generation_config)` fills
+it from the checkpoint's generation_config.json (Qwen3 ships temperature 0.6, top-k 20, top-p 0.95),
+else from vLLM's defaults (temperature 1, no top-k/top-p/min-p). `Pipeline`, `LLM` and the server all
+fill them that way, so one request means the same thing on every path. (vLLM's own `SamplingParams()`
+means temperature 1 whatever the checkpoint says; here you get the checkpoint's.)
+
+How a row of logits becomes a token is `logits.py`; `logits_filter` is the part of these settings it
+needs.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
-from .errors import GenerationError
-from .sampling import SamplingParams as LogitsFilter
-from .sampling import check_min_p, check_temperature, check_top_k, check_top_p
+from .logits import LogitsFilter, check_min_p, check_temperature, check_top_k, check_top_p, is_int, require
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+MAX_TOKEN_ID = 2**31 - 1  # ids are int32 anywhere a tokenizer or a kernel meets them
+FILTER_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def check_seed(value, label: str = "seed") -> None:
+    require(is_int(value) and 0 <= value <= MAX_SEED, label, "an integer from 0 to 2**64 - 1", value)
+
+
+def check_max_tokens(value, label: str = "max_tokens") -> None:
+    require(is_int(value) and value >= 1, label, "an integer >= 1", value)
+
+
+def check_stop(value, label: str = "stop") -> None:
+    ok = isinstance(value, list) and all(isinstance(s, str) and s for s in value)
+    require(ok, label, "a non-empty string or a list of them", value)
+
+
+def check_stop_token_ids(value, label: str = "stop_token_ids") -> None:
+    ok = isinstance(value, list) and all(is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in value)
+    require(ok, label, f"a list of token ids (integers from 0 to {MAX_TOKEN_ID})", value)
+
+
+def check_flag(value, label: str) -> None:
+    require(isinstance(value, bool), label, "true or false", value)
+
+
+# The table of limits: field -> its check (value, label). None values are never checked: they mean
+# "the default". A new field gets a line here, and a test fails for a field without one.
+FIELD_CHECKS = {
+    "temperature": check_temperature,
+    "top_p": check_top_p,
+    "top_k": check_top_k,
+    "min_p": check_min_p,
+    "seed": check_seed,
+    "max_tokens": check_max_tokens,
+    "stop": check_stop,
+    "stop_token_ids": check_stop_token_ids,
+    "ignore_eos": check_flag,
+    "skip_special_tokens": check_flag,
+}
+
+
+def check_fields(values: dict, labels: dict[str, str] | None = None) -> None:
+    """Raise GenerationError for the first value its rule refuses, naming it by labels[field] (a CLI
+    flag, say) or by the field's own name."""
+    for name, value in values.items():
+        if value is not None:
+            FIELD_CHECKS[name](value, (labels or {}).get(name, name))
 
 
 @dataclass
-class RequestParams:
-    temperature: float = 1.0  # 0 is greedy
-    top_p: float = 1.0  # 1 = off
-    top_k: int = 0  # 0 (or vLLM's -1) = off
-    min_p: float = 0.0  # 0 = off
-    max_tokens: int | None = 16  # new tokens at most (vLLM's default 16); None: up to the context
+class SamplingParams:
+    temperature: float | None = None  # divides the logits; 0 is greedy. None: the checkpoint's, else 1
+    top_p: float | None = None  # nucleus: keep the top tokens holding this probability. None: checkpoint's, else 1 (off)
+    top_k: int | None = None  # keep the k likeliest tokens; 0 (or vLLM's -1) is off. None: checkpoint's, else 0
+    min_p: float | None = None  # drop tokens under min_p x the top token's probability. None: checkpoint's, else 0
+    seed: int | None = None  # a seeded request draws from its own generator: the same tokens in any batch
+    max_tokens: int | None = 16  # new tokens at most (vLLM's default 16); None: as many as the context holds
     stop: list[str] | str | None = None  # stop strings: the text ends before the first one found
-    stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the request, like EOS
-    seed: int | None = None  # a seeded request draws from its own generator: reproducible in any batch
-    ignore_eos: bool = False  # keep going past EOS (benchmarks)
+    stop_token_ids: list[int] = field(default_factory=list)  # ids that end the request, like EOS
+    ignore_eos: bool = False  # go on past EOS (benchmarks); stop_token_ids still stop
     skip_special_tokens: bool = True  # drop <|im_end|> and friends from the text
 
     def __post_init__(self):
         if self.top_k == -1:
             self.top_k = 0  # vLLM spells "off" as -1
-        check_temperature(self.temperature, "temperature")
-        check_top_k(self.top_k, "top_k")
-        check_top_p(self.top_p, "top_p")
-        check_min_p(self.min_p, "min_p")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise GenerationError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise GenerationError(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise GenerationError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not all(_is_int(i) for i in self.stop_token_ids):
-            raise GenerationError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        self.stop = [] if self.stop is None else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        check_fields({f.name: getattr(self, f.name) for f in fields(self)})
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+
+    def with_defaults(self, generation_config: dict) -> "SamplingParams":
+        """A copy whose unset sampling fields are the checkpoint's (generation_config.json, as
+        `sampling.defaults.load_generation_config` reads it), else vLLM's defaults.
+
+        `do_sample: false` in the checkpoint makes greedy the default (temperature 0), as transformers
+        does; a temperature given here still wins. A missing do_sample does not imply greedy."""
+        chosen = {key: generation_config[key] for key in FILTER_FIELDS if key in generation_config}
+        if generation_config.get("do_sample") is False:
+            chosen["temperature"] = 0.0
+        defaults = LogitsFilter()
+        for key in FILTER_FIELDS:
+            chosen.setdefault(key, getattr(defaults, key))
+        return replace(self, **{key: value for key, value in chosen.items() if getattr(self, key) is None})
 
     @property
     def logits_filter(self) -> LogitsFilter:
-        return LogitsFilter(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        """The filter `logits.sample` applies; unset fields count as vLLM's defaults here (call
+        `with_defaults` first for the checkpoint's)."""
+        given = {key: getattr(self, key) for key in FILTER_FIELDS if getattr(self, key) is not None}
+        return LogitsFilter(**given)
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

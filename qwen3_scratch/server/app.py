@@ -1,6 +1,6 @@
 """The HTTP server: OpenAI's API on FastAPI, over the engine thread (async_engine.py).
 
-Routes only translate: JSON -> token ids and RequestParams -> `AsyncEngine.generate` -> step outputs
+Routes only translate: JSON -> token ids and SamplingParams -> `AsyncEngine.generate` -> step outputs
 -> JSON (or server-sent events). Chat replies go through chat_parser, the same parser `LLM.chat`
 uses, so reasoning and tool calls come out alike on both paths.
 
@@ -19,13 +19,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from . import openai_protocol as api
+from qwen3_scratch.errors import Qwen3Error
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.chat_parser import StreamParser, prompt_opens_thinking
+from qwen3_scratch.text.stop import AnswerStop
+from qwen3_scratch.text.tokenizer import Tokenizer
+
+from . import protocol as api
 from .async_engine import AsyncEngine
-from .chat_parser import Delta, StreamParser, prompt_opens_thinking
-from .engine import StopText
-from .errors import Qwen3Error
-from .params import RequestParams
-from .tokenizer import Tokenizer
 
 
 class ServerError(Exception):
@@ -40,7 +41,7 @@ class Serving:
     engine: AsyncEngine
     tokenizer: Tokenizer
     model_name: str
-    defaults: RequestParams  # the checkpoint's sampling defaults, for fields a request leaves out
+    defaults: SamplingParams  # the checkpoint's sampling defaults, for fields a request leaves out
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -48,7 +49,7 @@ class Serving:
                               "invalid_request_error", "model_not_found")  # fmt: skip
 
 
-def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, defaults: RequestParams,
+def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, defaults: SamplingParams,
               api_key: str | None = None) -> FastAPI:  # fmt: skip
     app = FastAPI(title="qwen3-scratch", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = Serving(engine, tokenizer, model_name, defaults)
@@ -126,7 +127,7 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     request_id = api.new_id("chatcmpl")
     steps = s.engine.generate(prompt_ids, params)
     if body.stream:
-        events = stream_chat(steps, parser, StopText(params.stop), request_id, s.model_name, len(prompt_ids),
+        events = stream_chat(steps, parser, AnswerStop(params.stop), request_id, s.model_name, len(prompt_ids),
                              body.include_usage)  # fmt: skip
         return sse(events)
     out = None
@@ -135,9 +136,7 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
             parser.push(token)
     parser.finish()
     parsed = parser.message()
-    content = StopText(params.stop)  # the engine stopped at a stop string; the answer ends before it
-    content.push(parsed["content"])
-    parsed["content"] = content.take(finished=True)
+    parsed["content"] = AnswerStop.cut(parsed["content"], params.stop)  # the answer ends before a stop string
     used = api.usage(len(prompt_ids), len(out.seq.output_ids), out.seq.num_cached_prompt, parser.reasoning_tokens)
     reason = api.chat_finish_reason(out.finish_reason, parsed.get("tool_calls"))
     return api.chat_response(request_id, s.model_name, api.assistant_message(parsed), reason, used)
@@ -161,22 +160,16 @@ async def stream_completion(steps, request_id, model, prompt_tokens, include_usa
     yield "data: [DONE]\n\n"
 
 
-async def stream_chat(steps, parser: StreamParser, content: StopText, request_id, model, prompt_tokens, include_usage):
+async def stream_chat(steps, parser: StreamParser, shown: AnswerStop, request_id, model, prompt_tokens, include_usage):
     yield event(api.chat_chunk(request_id, model, {"role": "assistant", "content": ""}))
     calls = 0
     async for out in steps:
         deltas = [d for token in out.new_token_ids for d in parser.push(token)]
         if out.finished:
             deltas += parser.finish()
-        for delta in deltas:
-            if delta.kind == "content":  # held back while a stop string may be forming
-                content.push(delta.text)
-                delta = Delta("content", content.take(finished=False))
-            if delta.text or delta.tool_call:
-                yield event(api.chat_chunk(request_id, model, api.delta_body(delta, calls)))
+        for delta in shown.pieces(deltas, finished=out.finished):  # the answer held back while a stop string may form
+            yield event(api.chat_chunk(request_id, model, api.delta_body(delta, calls)))
             calls += delta.kind == "tool_call"
-    if tail := content.take(finished=True):
-        yield event(api.chat_chunk(request_id, model, {"content": tail}))
     reason = api.chat_finish_reason(out.finish_reason, calls)
     yield event(api.chat_chunk(request_id, model, {}, reason))
     if include_usage:

@@ -15,10 +15,11 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from .engine import LLMEngine, StepOutput
-from .errors import Qwen3Error
+from qwen3_scratch.engine.engine import LLMEngine, StepOutput
+from qwen3_scratch.errors import Qwen3Error
+from qwen3_scratch.sampling.params import SamplingParams
+
 from .metrics import ServingMetrics
-from .params import RequestParams
 
 
 class AsyncEngine:
@@ -40,11 +41,11 @@ class AsyncEngine:
         self.inbox.put(None)  # wake the thread if it sleeps on the inbox
         self.thread.join()
 
-    def check(self, prompt_ids: list[int], params: RequestParams) -> None:
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise GenerationError now, in the caller's thread, for a request that can never run."""
         self.engine.check_prompt(prompt_ids, params)
 
-    async def generate(self, prompt_ids: list[int], params: RequestParams) -> AsyncIterator[StepOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         """Submit a request and yield its step outputs until it finishes. Leaving early aborts it."""
         request_id = f"req-{next(self._ids)}"
         outputs: asyncio.Queue = asyncio.Queue()

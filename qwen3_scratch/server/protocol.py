@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .errors import GenerationError
-from .params import RequestParams
+from qwen3_scratch.errors import GenerationError
+from qwen3_scratch.sampling.params import FILTER_FIELDS, SamplingParams
 
 
 class SamplingFields(BaseModel):
@@ -33,14 +33,14 @@ class SamplingFields(BaseModel):
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
 
-    def params(self, defaults: RequestParams, max_tokens: int | None) -> RequestParams:
-        """This request's RequestParams: its own values, else the checkpoint's defaults."""
+    def params(self, defaults: SamplingParams, max_tokens: int | None) -> SamplingParams:
+        """This request's SamplingParams: its own values, else the checkpoint's defaults."""
         if self.n != 1:
             raise GenerationError(f"n must be 1 (one choice per request), got {self.n}")
-        fields = ("temperature", "top_p", "top_k", "min_p")
-        chosen = {f: getattr(self, f) if getattr(self, f) is not None else getattr(defaults, f) for f in fields}
-        return RequestParams(**chosen, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
-                             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)  # fmt: skip
+        given = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                               max_tokens=max_tokens, stop=self.stop, seed=self.seed,
+                               stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)  # fmt: skip
+        return given.with_defaults({name: getattr(defaults, name) for name in FILTER_FIELDS})
 
     @property
     def include_usage(self) -> bool:

@@ -17,7 +17,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from .errors import ConfigError, Qwen3Error, printable
+from qwen3_scratch.errors import ConfigError, Qwen3Error, printable
 
 # Older names for an assistant message's reasoning. transformers copies whichever is set to
 # `reasoning_content` (what Qwen3's template reads) and to `thinking` (what gpt-oss's reads).
@@ -157,9 +157,3 @@ class _GenerationBlock(jinja2.ext.Extension):
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         # A scope, like the macro call transformers wraps it in: names set inside stay inside.
         return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-if __name__ == "__main__":  # `python -m qwen3_scratch.chat`: the interactive chat (chat_cli.py)
-    from .chat_cli import main
-
-    raise SystemExit(main())

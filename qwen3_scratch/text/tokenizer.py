@@ -12,9 +12,10 @@ from pathlib import Path
 
 import tokenizers
 
-from .chat import render_chat_template
-from .errors import CheckpointError, ConfigError, printable
-from .files import read_json, read_text
+from qwen3_scratch.errors import CheckpointError, ConfigError, printable
+from qwen3_scratch.files import read_json, read_text
+
+from .chat_template import render_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"

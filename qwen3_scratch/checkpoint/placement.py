@@ -1,0 +1,64 @@
+"""Which model, where it runs and in which dtype, when the user does not say: one rule for every
+command and both Python APIs.
+
+`pick_device("auto")` is cuda when a GPU is there, else cpu. `pick_dtype("auto", device)` is bfloat16 on
+a GPU and on a CPU that multiplies bf16 natively (avx512_bf16 or AMX), where decode reads half the bytes
+of fp32 and was measured faster (docs/performance.md); float32 on other CPUs, where bf16 products are
+emulated and slower than fp32 ones. `qwen3-generate`, `qwen3-chat`, `qwen3-serve`, `Pipeline` and `LLM`
+all ask these two functions, and every `--help` says the rule in the words of DTYPE_HELP.
+
+The names and the help text are plain strings, so a command can check `--dtype` and print `--help`
+before torch is imported (seconds); the functions import it when they run.
+"""
+
+from pathlib import Path
+
+from qwen3_scratch.errors import GenerationError, InputError
+
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B"  # what `--model` and `Pipeline.load()` mean when not told
+
+# --dtype accepts torch's names and the short ones people type
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+DTYPE_NAMES = ["auto", "bfloat16", "float16", "float32", *DTYPE_ALIASES]
+DTYPE_HELP = ("auto: bfloat16 on a GPU and on a CPU with native bf16 (avx512_bf16 or AMX), else float32; "
+              "also bf16, fp16/half, fp32/float")  # fmt: skip
+DEVICE_HELP = "auto: cuda when a GPU is there, else cpu"
+
+
+def canonical_dtype(name: str, label: str = "--dtype") -> str:
+    """"auto" or torch's name for a dtype, from any name in DTYPE_NAMES."""
+    if name not in DTYPE_NAMES:
+        raise InputError(f"{label} must be one of {', '.join(DTYPE_NAMES)}; got {name!r}")
+    return DTYPE_ALIASES.get(name, name)
+
+
+def pick_device(device: str = "auto") -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise GenerationError("--device cuda: no CUDA GPU is available; use --device cpu")
+    if device not in ("cpu", "cuda"):
+        raise GenerationError(f"--device must be auto, cpu or cuda, got {device!r}")
+    return device
+
+
+def pick_dtype(dtype: str, device: str) -> str:
+    """torch's name for `dtype` (aliases accepted); "auto" by the rule in the module docstring."""
+    dtype = canonical_dtype(dtype)
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
+    return dtype
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 in hardware (avx512_bf16 / AMX) and oneDNN will use it."""
+    import torch
+
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: trust oneDNN's own check alone
+        flags = "avx512_bf16"
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    return native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -1,0 +1,76 @@
+"""What the three commands share: argparse that fails in one line, the model and sampling flags, and
+the Ctrl-C and error handling around a command's body.
+
+    parser = OneLineParser(prog="qwen3-x"); model_flags(parser); sampling_flags(parser)
+    return run_cli("qwen3-x", parser, body)      # body(args): Qwen3Error -> one line, exit 2; Ctrl-C -> 130
+
+Every flag maps to one library parameter: `model_flags` to `Pipeline.load` / `LLM`, `sampling_flags` to
+`SamplingParams` (`params_from_args`, which checks each value by the same table as the library,
+`sampling.params.FIELD_CHECKS`, but names the flag). Nothing heavy is imported here, so `--help` is
+instant and every flag is checked before torch loads.
+"""
+
+import argparse
+import sys
+
+from qwen3_scratch.checkpoint.placement import DEFAULT_MODEL, DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES
+from qwen3_scratch.errors import Qwen3Error, printable
+
+# SamplingParams field -> the flag that sets it, so an error names what the user typed
+FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+         "seed": "--seed", "max_tokens": "--max-new-tokens"}  # fmt: skip
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def model_flags(p: argparse.ArgumentParser) -> None:
+    """Which checkpoint, from where, on which device, in which dtype."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a local checkpoint folder or a Hub id (default %(default)s)")
+    p.add_argument("--weights-dir", default="weights", help="where Hub models are downloaded (default %(default)s)")
+    p.add_argument("--local-files-only", action="store_true", help="never touch the network (default: off)")
+    p.add_argument("--revision", help="the Hub branch, tag or commit to download (default: main)")
+    p.add_argument("--verify", action="store_true",
+                   help="hash every file again, compare with the Hub, re-fetch what differs (default: off)")  # fmt: skip
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=f"{DEVICE_HELP} (default %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="{auto,bfloat16,float16,float32}",
+                   help=f"{DTYPE_HELP} (default %(default)s)")  # fmt: skip
+
+
+def sampling_flags(p: argparse.ArgumentParser) -> None:
+    """How many tokens and how they are drawn; None means the checkpoint's generation_config.json."""
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many tokens (default %(default)s)")
+    p.add_argument("--temperature", type=float,
+                   help="0 is greedy, else at least 1e-4 (default: generation_config.json, else 1)")  # fmt: skip
+    p.add_argument("--top-k", type=int, help="keep the k likeliest tokens; 0 is off (default: generation_config.json, else 0)")
+    p.add_argument("--top-p", type=float, help="nucleus: keep the top tokens holding this probability, in (0, 1] "
+                   "(default: generation_config.json, else 1)")  # fmt: skip
+    p.add_argument("--min-p", type=float, help="drop tokens under min-p x the top token's probability, in [0, 1) "
+                   "(default: generation_config.json, else 0)")  # fmt: skip
+    p.add_argument("--seed", type=int, help="seed the sampler, 0 to 2**64 - 1, for repeatable text (default: random)")
+
+
+def params_from_args(args):
+    """The SamplingParams the flags ask for (unset ones: the checkpoint's defaults, filled at generation);
+    raises naming the flag for an impossible value, before anything loads."""
+    from qwen3_scratch.sampling.params import SamplingParams, check_fields  # imports torch
+
+    given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                 seed=args.seed, max_tokens=args.max_new_tokens)  # fmt: skip
+    check_fields(given, FLAGS)
+    return SamplingParams(**given, ignore_eos=getattr(args, "ignore_eos", False))
+
+
+def run_cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
+    """Parse argv and run body(args): a Qwen3Error is one line and exit 2, Ctrl-C is exit 130, quietly."""
+    try:
+        body(parser.parse_args(argv))
+    except Qwen3Error as e:
+        print(f"{prog}: error: {printable(e, limit=2000)}", file=sys.stderr)  # one line, however it was built
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0

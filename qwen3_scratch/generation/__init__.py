@@ -1,0 +1,9 @@
+"""The simple loops and `Pipeline`: one prompt or a fixed batch at a time, through the fastest batch-1 path.
+
+loops.py (token ids in, token ids out: the full-recompute reference and the KV-cache loop),
+conversation.py (multi-turn chat over a KV cache kept across turns), pipeline.py (`Pipeline`: text in,
+text out) and stats.py (the numbers a run reports).
+
+May import: model, checkpoint, text, sampling, the package root. Imported by: cli.
+The engine (engine/) is its sibling: neither imports the other.
+"""

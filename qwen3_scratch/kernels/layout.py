@@ -1,0 +1,44 @@
+"""The layout a loaded model runs in: which of this layer's kernels replace the checkpoint's plain layers.
+
+`checkpoint.load_model(optimize=..., quantize=...)` loads the checkpoint strictly into the plain model
+(model/), then hands it here. Nothing here changes what the model computes beyond float rounding, and
+nothing touches the checkpoint's keys: every transform swaps modules in memory, one layer at a time.
+
+  None      the checkpoint's own layout, as model/ wrote it: the parity suite's reference;
+  "decode"  one sequence at a time (the CLI, chat, Pipeline): on a CPU, one-row products run compiled
+            loops over the checkpoint's own matrices (matvec.py), which read weights near the memory
+            bandwidth and copy nothing, and the ops between them run as a few kernels a layer
+            (cpu_decode.py);
+  "batch"   several rows per step (the engine, serving): q/k/v and gate/up fused into one matrix each
+            and every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has
+            many rows.
+Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch".
+`quantize="int8"` stores every matrix as int8 with per-row scales (quantize.py), in either layout.
+"""
+
+from qwen3_scratch.model.qwen3 import Qwen3
+
+from .cpu_decode import use_cpu_decoder_layers
+from .fuse import fuse_projections, prepack_for_cpu
+from .matvec import can_use_matvec, use_matvec
+from .quantize import SCHEMES, quantize_model
+
+LAYOUTS = (None, "decode", "batch")
+__all__ = ["LAYOUTS", "SCHEMES", "optimize_layout"]
+
+
+def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None) -> Qwen3:
+    """Lay `model` out for `optimize` (see the module docstring) and quantize it, in place."""
+    cpu_decode = optimize == "decode" and can_use_matvec(model)
+    if cpu_decode and quantize is None:
+        use_matvec(model)
+    else:
+        if optimize:
+            fuse_projections(model)
+        if quantize is not None:
+            quantize_model(model, quantize)  # its one-row products on a CPU are compiled loops too
+        if optimize:
+            prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
+    if cpu_decode:
+        use_cpu_decoder_layers(model)  # and the ops between the products, a few compiled kernels a layer
+    return model

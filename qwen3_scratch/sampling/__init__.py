@@ -1,0 +1,9 @@
+"""How to sample: a request's settings, and logits -> token ids. No model, no text.
+
+params.py (`SamplingParams`, in vLLM's names, and the table of limits every entry point checks
+against), logits.py (`LogitsFilter`: temperature, top-k, top-p, min-p as pure functions of logits;
+`sample` with no host sync), defaults.py (the checkpoint's generation_config.json and the ids that
+end a generation).
+
+May import: the package root. Imported by: generation, engine, server, cli.
+"""

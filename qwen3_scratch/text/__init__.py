@@ -1,0 +1,9 @@
+"""Text: token ids <-> text, and the structure Qwen3 writes into it. No model, no torch.
+
+tokenizer.py (the checkpoint's BPE, streaming detokenizer, chat ids where only the template writes
+control tokens), chat_template.py (the checkpoint's Jinja template in a sandbox), chat_parser.py
+(generated ids -> reasoning, answer and tool calls), stop.py (stop strings), limits.py (how much text
+a prompt may be).
+
+May import: the package root. Imported by: generation, engine, server, cli.
+"""
