@@ -82,20 +82,20 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def can_allocate(self, token_ids: list[int], reserve: int = 0) -> bool:
+    def can_allocate(self, token_ids: list[int], reserve: int = 0, use_cache: bool = True) -> bool:
         """Enough free blocks for all of token_ids (cached blocks in use cost nothing), plus `reserve`."""
-        hits = self.cached_prefix(token_ids)
+        hits = self.cached_prefix(token_ids) if use_cache else []
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # they leave the free list
         needed = self.blocks_for(len(token_ids)) - len(hits) + revived
         return needed + reserve <= self.num_free
 
-    def allocate(self, token_ids: list[int]) -> tuple[list[int], int]:
-        """A block table for token_ids: cached prefix blocks shared, fresh blocks for the rest.
+    def allocate(self, token_ids: list[int], use_cache: bool = True) -> tuple[list[int], int]:
+        """A block table for token_ids: cached prefix blocks shared (unless not use_cache), fresh blocks for the rest.
 
         Returns (block table, number of leading tokens whose keys/values are already cached).
         The caller checked can_allocate.
         """
-        table = self.cached_prefix(token_ids)
+        table = self.cached_prefix(token_ids) if use_cache else []
         for block_id in table:
             self._take(block_id)
         cached_tokens = len(table) * self.block_size

@@ -21,11 +21,13 @@ import torch
 
 from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.model.qwen3 import Qwen3
-from qwen3_scratch.sampling.logits import filter_logits
-from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.sampling.logprobs import TokenLogprob
+from qwen3_scratch.sampling.params import MAX_SEED, SamplingParams
+from qwen3_scratch.sampling.structured import GrammarCompiler
 from qwen3_scratch.text.stop import TextState
 from qwen3_scratch.text.tokenizer import Tokenizer
 
+from . import sampler
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
@@ -42,6 +44,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     seq: Sequence
+    index: int = 0  # which of the request's n choices (each finishes on its own)
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked for logprobs
 
 
 class LLMEngine:
@@ -61,27 +65,51 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs))
         self.runner = ModelRunner(model, self.cache)
-        self.sequences: dict[str, Sequence] = {}
-        self.texts: dict[str, TextState] = {}
+        self.sequences: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
+        self.texts: dict[tuple[str, int], TextState] = {}  # (request id, choice index) -> its text
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self.num_preemptions = 0  # over the engine's life (metrics)
         self.num_aborted = 0
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request; it joins the running batch at a coming step. Bad requests raise GenerationError."""
+        """Queue a request: params.n sequences, which join the running batch at a coming step, each
+        reported under request_id with its own index. Bad requests raise GenerationError. Returns the first."""
         if request_id in self.sequences:
             raise GenerationError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_prompt(prompt_ids, params)
         # RoPE tables for every position this request can reach, built here, between steps, never inside one
         self.model.reserve_positions(len(prompt_ids) + max_tokens)
-        generator = torch.Generator(self.runner.device)
-        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
-        eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
-        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, max_tokens, frozenset(eos), generator)
-        self.sequences[request_id] = seq
-        if self.tokenizer is not None:
-            self.texts[request_id] = TextState(self.tokenizer, params.stop, params.skip_special_tokens)
-        self.scheduler.add(seq)
-        return seq
+        eos = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids)))
+        base_seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs else None
+        bad_words = sampler.bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        processing = params.processing(bad_words)
+        choices = []
+        for index in range(params.n):
+            # choice i draws from seed + i (vLLM's rule): n different answers, each reproducible
+            generator = torch.Generator(self.runner.device).manual_seed((base_seed + index) % (MAX_SEED + 1))
+            seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, max_tokens, eos, generator,
+                           index=index, after=choices[0] if choices else None)  # fmt: skip
+            state = sampler.SamplingState(processing if processing.active else None)
+            state.matcher = self.grammars.matcher(grammar) if grammar is not None else None
+            seq.sampling = state
+            if self.tokenizer is not None:
+                self.texts[(request_id, index)] = TextState(self.tokenizer, params.stop, params.skip_special_tokens)
+            choices.append(seq)
+        self.sequences[request_id] = choices
+        for seq in choices:
+            self.scheduler.add(seq)
+        return choices[0]
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar engine over this model's vocabulary (structured output), built when first needed."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise GenerationError("structured output needs the engine to have a tokenizer")
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model.config.vocab_size,
+                                             sorted(self.eos_ids))  # fmt: skip
+        return self._grammars
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The request's max_tokens, clipped to the context (None: all that fit); raises if it can never run."""
@@ -91,8 +119,15 @@ class LLMEngine:
             raise GenerationError(
                 f"the prompt is {len(prompt_ids)} tokens but the model's context is {self.context}; shorten the prompt"
             )
-        if any(not 0 <= i < self.model.config.vocab_size for i in prompt_ids):
-            raise GenerationError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= i < vocab for i in prompt_ids):
+            raise GenerationError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= i < vocab for i in (params.logit_bias or {})):
+            raise GenerationError(f"logit_bias token ids must be in [0, {vocab}), the model's vocabulary")
+        if params.structured_outputs is not None:
+            if params.ignore_eos:
+                raise GenerationError("ignore_eos cannot go with structured output: the grammar ends the output")
+            self.grammars.grammar(params.structured_outputs)  # refuses an invalid schema or grammar now
         # The most tokens one sequence can ever hold: the context, or the whole pool if that is smaller.
         capacity = min(self.context, self.blocks.num_blocks * self.blocks.block_size)
         if params.max_tokens is None:  # "as many as fit"
@@ -113,10 +148,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is (a client went away); its blocks return to the pool."""
-        seq = self.sequences.pop(request_id, None)
-        self.texts.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.finish(seq, "abort")
+        choices = self.sequences.pop(request_id, None)
+        if choices is not None:
+            for seq in choices:
+                self.texts.pop((request_id, seq.index), None)
+                self.scheduler.finish(seq, "abort")
             self.num_aborted += 1
 
     def has_unfinished(self) -> bool:
@@ -131,32 +167,16 @@ class LLMEngine:
         chunks = batch.decodes + batch.prefills
         for chunk in chunks:
             self.scheduler.computed(chunk)
+            if chunk.seq.wants_prompt_logprobs and id(chunk.seq) in self.runner.prompt_logits:
+                sampler.score_prompt(chunk.seq, self.runner.prompt_logits[id(chunk.seq)], chunk.start)
         sampling = [chunk.seq for chunk in chunks if chunk.samples]
-        tokens = self.sample(sampling, [logits[id(seq)] for seq in sampling])
+        tokens = sampler.sample(sampling, [logits[id(seq)] for seq in sampling])
         return [self.append(seq, token) for seq, token in zip(sampling, tokens)]
-
-    def sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
-        """One token per sequence. Rows with the same filter share its work; each draws with its own
-        generator, so a seeded request gets the same tokens whatever else is in the batch."""
-        if not seqs:
-            return []
-        logits = torch.stack(rows)  # (N, V)
-        tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done
-        groups: dict = {}
-        for i, seq in enumerate(seqs):
-            if not seq.params.logits_filter.greedy:
-                groups.setdefault(seq.params.logits_filter, []).append(i)
-        for params, index in groups.items():
-            probs = filter_logits(logits[index], params).softmax(dim=-1)  # (n, V)
-            for row, i in enumerate(index):
-                noise = torch.empty_like(probs[row]).exponential_(generator=seqs[i].generator)
-                # the same exponential race as sampling.sample: argmax(p / E) is a draw from p
-                tokens[i] = int((probs[row] / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax())
-        return tokens
 
     def append(self, seq: Sequence, token: int) -> StepOutput:
         seq.token_ids.append(token)
-        text = self.texts.get(seq.request_id)
+        key = (seq.request_id, seq.index)
+        text = self.texts.get(key)
         stopped = text.push(token) if text is not None else False
         reason = None
         if stopped or token in seq.eos_ids:
@@ -165,7 +185,12 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            self.sequences.pop(seq.request_id, None)
-            self.texts.pop(seq.request_id, None)
+            self.texts.pop(key, None)
+            choices = self.sequences.get(seq.request_id, [])
+            if seq in choices:
+                choices.remove(seq)
+            if not choices:
+                self.sequences.pop(seq.request_id, None)
         piece = text.take(reason is not None, stopped) if text is not None else ""
-        return StepOutput(seq.request_id, [token], piece, reason is not None, reason, seq)
+        logprobs = seq.sampling.logprobs[-1:] if seq.params.logprobs is not None else None
+        return StepOutput(seq.request_id, [token], piece, reason is not None, reason, seq, seq.index, logprobs)

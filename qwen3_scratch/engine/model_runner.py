@@ -25,6 +25,7 @@ class ModelRunner:
     def __init__(self, model: Qwen3, cache: PagedKVCache):
         self.model, self.cache = model, cache
         self.device = model.device
+        self.prompt_logits: dict[int, torch.Tensor] = {}  # the last run's, see run()
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
@@ -33,10 +34,13 @@ class ModelRunner:
         if batch.decodes:
             rows = self.decode(batch.decodes)  # (B, V)
             logits.update((id(chunk.seq), row) for chunk, row in zip(batch.decodes, rows))
+        self.prompt_logits = {}  # {id(seq): (T, V)} for the chunks of requests that score their prompt
         for chunk in batch.prefills:
-            row = self.prefill(chunk)
+            rows = self.prefill(chunk)  # (T, V) for a request scoring its prompt, else (1, V)
+            if chunk.seq.wants_prompt_logprobs:
+                self.prompt_logits[id(chunk.seq)] = rows
             if chunk.samples:
-                logits[id(chunk.seq)] = row
+                logits[id(chunk.seq)] = rows[-1]
         return logits
 
     def decode(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -56,7 +60,8 @@ class ModelRunner:
         return self.model(tokens, positions, mask, view, write, last_only=True)[:, -1]  # (B, V)
 
     def prefill(self, chunk: Chunk) -> torch.Tensor:
-        """Tokens [start, end) of one sequence, after its cached prefix [0, start) -> logits (V,) of the last."""
+        """Tokens [start, end) of one sequence, after its cached prefix [0, start) -> logits (1, V) of the last,
+        or (T, V) of every position when its request scores the prompt."""
         seq, start, end = chunk.seq, chunk.start, chunk.end
         tokens = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, T)
         positions = torch.arange(start, end, device=self.device)[None, :]  # (1, T)
@@ -65,7 +70,8 @@ class ModelRunner:
         keys = torch.arange(end, device=self.device)  # S = end: the prefix and this chunk
         mask = (keys[None, :] <= positions[0, :, None])[None, None]  # (1, 1, T, S): causal, prefix included
         view = self.cache.view(write, tables)
-        return self.model(tokens, positions, mask, view, write, last_only=True)[0, -1]  # (V,)
+        last_only = not seq.wants_prompt_logprobs
+        return self.model(tokens, positions, mask, view, write, last_only=last_only)[0]  # (1, V) or (T, V)
 
     def block_tables(self, tables: list[list[int]], S: int) -> torch.Tensor:
         """(B, W) the blocks holding each row's tokens 0..S-1, W = ceil(S / bs); short rows padded with block 0."""

@@ -53,6 +53,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length" once finished ("abort" if cancelled)
     num_preemptions: int = 0
+    index: int = 0  # which of its request's n choices this is
+    after: "Sequence | None" = None  # a sibling whose prompt must be cached first, so this one shares its blocks
+    sampling: object | None = None  # the sampler's per-sequence state (engine/sampler.py), if any
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     @property
     def output_ids(self) -> list[int]:
@@ -117,11 +124,16 @@ class Scheduler:
         # preempted would only recompute it and preempt it again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
+            if seq.after is not None and seq.after.status is not Status.FINISHED:
+                if seq.after.num_computed < seq.after.num_prompt_tokens:
+                    break  # its sibling's prompt blocks are not cached yet: share them in a step or two
+            # A request scoring its prompt needs logits at every prompt position: no cached prefix for it.
+            cache = not seq.wants_prompt_logprobs
             # one block spare for its first decode, so a fresh admission does not preempt at once
-            if not self.blocks.can_allocate(seq.token_ids, reserve=1 if self.running else 0):
+            if not self.blocks.can_allocate(seq.token_ids, reserve=1 if self.running else 0, use_cache=cache):
                 break
             self.waiting.popleft()
-            seq.block_table, seq.num_computed = self.blocks.allocate(seq.token_ids)
+            seq.block_table, seq.num_computed = self.blocks.allocate(seq.token_ids, use_cache=cache)
             seq.num_cached_prompt = seq.num_computed
             seq.status = Status.RUNNING
             self.running.append(seq)

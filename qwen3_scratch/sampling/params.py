@@ -17,13 +17,28 @@ How a row of logits becomes a token is `logits.py`; `logits_filter` is the part 
 needs.
 """
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
-from .logits import LogitsFilter, check_min_p, check_temperature, check_top_k, check_top_p, is_int, require
+from .logits import (
+    LogitsFilter,
+    check_min_p,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+    is_int,
+    is_number,
+    require,
+)
+from .logprobs import MAX_LOGPROBS
+from .processors import LogitsProcessing
+from .structured import StructuredOutputsParams, check_structured_outputs
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 MAX_TOKEN_ID = 2**31 - 1  # ids are int32 anywhere a tokenizer or a kernel meets them
 FILTER_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+MAX_N = 128  # choices per request (OpenAI's limit)
+MAX_LOGIT_BIAS = 1024  # entries in logit_bias or bad_words: bounded work per step whatever the request
 
 
 def check_seed(value, label: str = "seed") -> None:
@@ -48,6 +63,40 @@ def check_flag(value, label: str) -> None:
     require(isinstance(value, bool), label, "true or false", value)
 
 
+def check_n(value, label: str = "n") -> None:
+    require(is_int(value) and 1 <= value <= MAX_N, label, f"an integer from 1 to {MAX_N}", value)
+
+
+def check_openai_penalty(value, label: str) -> None:
+    # written as `-2 <= x <= 2` so that NaN fails too
+    require(is_number(value) and -2 <= value <= 2, label, "a number from -2 to 2", value)
+
+
+def check_repetition_penalty(value, label: str = "repetition_penalty") -> None:
+    ok = is_number(value) and math.isfinite(value) and value > 0
+    require(ok, label, "a finite number > 0 (1 is off)", value)
+
+
+def check_logit_bias(value, label: str = "logit_bias") -> None:
+    ok = isinstance(value, dict) and len(value) <= MAX_LOGIT_BIAS and all(
+        is_int(k) and 0 <= k <= MAX_TOKEN_ID and is_number(b) and -100 <= b <= 100 for k, b in value.items()
+    )
+    require(ok, label, f"a map of at most {MAX_LOGIT_BIAS} token ids to biases from -100 to 100", value)
+
+
+def check_count(value, label: str) -> None:
+    require(is_int(value) and value >= 0, label, "an integer >= 0", value)
+
+
+def check_bad_words(value, label: str = "bad_words") -> None:
+    ok = isinstance(value, list) and len(value) <= MAX_LOGIT_BIAS and all(isinstance(w, str) and w.strip() for w in value)
+    require(ok, label, f"a list of at most {MAX_LOGIT_BIAS} non-blank strings", value)
+
+
+def check_logprobs(value, label: str = "logprobs") -> None:
+    require(is_int(value) and 0 <= value <= MAX_LOGPROBS, label, f"an integer from 0 to {MAX_LOGPROBS}", value)
+
+
 # The table of limits: field -> its check (value, label). None values are never checked: they mean
 # "the default". A new field gets a line here, and a test fails for a field without one.
 FIELD_CHECKS = {
@@ -61,6 +110,16 @@ FIELD_CHECKS = {
     "stop_token_ids": check_stop_token_ids,
     "ignore_eos": check_flag,
     "skip_special_tokens": check_flag,
+    "n": check_n,
+    "presence_penalty": check_openai_penalty,
+    "frequency_penalty": check_openai_penalty,
+    "repetition_penalty": check_repetition_penalty,
+    "logit_bias": check_logit_bias,
+    "min_tokens": check_count,
+    "bad_words": check_bad_words,
+    "logprobs": check_logprobs,
+    "prompt_logprobs": check_logprobs,
+    "structured_outputs": check_structured_outputs,
 }
 
 
@@ -84,6 +143,17 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # ids that end the request, like EOS
     ignore_eos: bool = False  # go on past EOS (benchmarks); stop_token_ids still stop
     skip_special_tokens: bool = True  # drop <|im_end|> and friends from the text
+    n: int = 1  # independent completions of the one prompt (they share its cached blocks in the engine)
+    # logit processing, in vLLM's names and order (processors.py)
+    presence_penalty: float = 0.0  # OpenAI's: minus this once for every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # vLLM's/CTRL's: tokens of the prompt or output divided (or times) by it
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> added to its logit, -100 to 100
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens were generated
+    bad_words: list[str] = field(default_factory=list)  # never generated (their token sequences are banned)
+    logprobs: int | None = None  # logprob of each sampled token and of its top-k alternatives (0: itself only)
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
 
     def __post_init__(self):
         if self.top_k == -1:
@@ -92,8 +162,13 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [] if self.stop is None else self.stop
         self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        self.bad_words = [] if self.bad_words is None else self.bad_words
+        if isinstance(self.logit_bias, dict):  # JSON object keys arrive as strings: "100" means id 100
+            self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
         check_fields({f.name: getattr(self, f.name) for f in fields(self)})
-        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            require(False, "min_tokens", f"at most max_tokens ({self.max_tokens})", self.min_tokens)
+        self.stop, self.stop_token_ids, self.bad_words = list(self.stop), list(self.stop_token_ids), list(self.bad_words)
 
     def with_defaults(self, generation_config: dict) -> "SamplingParams":
         """A copy whose unset sampling fields are the checkpoint's (generation_config.json, as
@@ -119,3 +194,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def processing(self, bad_words_ids: tuple[tuple[int, ...], ...] = ()) -> LogitsProcessing:
+        """The logit processing these settings ask for (processors.py); bad words as the caller tokenized them."""
+        return LogitsProcessing(
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            min_tokens=self.min_tokens, bad_words=bad_words_ids,
+        )  # fmt: skip
+
+
+def _int_key(key):
+    """A logit_bias key as a token id: JSON sends "100"; anything else is left for the check to refuse."""
+    if isinstance(key, str) and key.strip().isdigit() and len(key) <= 12:
+        return int(key)
+    return key

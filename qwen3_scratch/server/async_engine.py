@@ -46,18 +46,20 @@ class AsyncEngine:
         self.engine.check_prompt(prompt_ids, params)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
-        """Submit a request and yield its step outputs until it finishes. Leaving early aborts it."""
+        """Submit a request and yield its step outputs (of all its n choices, told apart by `index`) until
+        every choice has finished. Leaving early aborts it."""
         request_id = f"req-{next(self._ids)}"
         outputs: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = (asyncio.get_running_loop(), outputs)
         self.inbox.put(("add", request_id, list(prompt_ids), params, time.monotonic()))
-        finished = False
+        finished, remaining = False, params.n  # each of the n choices finishes on its own
         try:
             while not finished:
                 out = await outputs.get()
                 if isinstance(out, Exception):
                     raise out
-                finished = out.finished
+                remaining -= out.finished
+                finished = remaining == 0
                 yield out
         finally:  # also on cancellation: a client that went away frees its sequence
             self.streams.pop(request_id, None)

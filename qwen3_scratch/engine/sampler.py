@@ -1,0 +1,120 @@
+"""Each sequence's next token, with what its request asked for: grammar, logit processing, logprobs.
+
+One step's rows of logits (one per sequence that reached its newest token) go through, per row, in
+vLLM's order: the grammar's mask (sampling/structured.py), the request's logit processing
+(sampling/processors.py: bad words, min_tokens, logit_bias, penalties), then greedy argmax or
+temperature and filters and a draw from the sequence's own generator (sampling/logits.py). Rows that
+ask for none of it (the common case) skip straight to the batched argmax or draw. Logprobs are scored
+on the model's own logits, before any of it (sampling/logprobs.py says why).
+
+`SamplingState` is what a sequence carries for this between steps.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qwen3_scratch.sampling.logits import filter_logits
+from qwen3_scratch.sampling.logprobs import TokenLogprob, score_tokens
+from qwen3_scratch.sampling.processors import LogitsProcessing, process_logits
+from qwen3_scratch.sampling.structured import Matcher, apply_bitmask
+from qwen3_scratch.text.tokenizer import Tokenizer
+
+from .scheduler import Sequence
+
+
+@dataclass
+class SamplingState:
+    """A sequence's sampling state beyond its generator: kept on `Sequence.sampling`."""
+
+    processing: LogitsProcessing | None = None  # None: the request changes no logit
+    matcher: Matcher | None = None  # its place in the grammar, for structured output
+    prompt_seen: torch.Tensor | None = None  # (V,) bool, ids in the prompt (for the repetition penalty)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per prompt token, if asked
+
+    @property
+    def active(self) -> bool:
+        """True when this sequence's logits need more than the plain draw."""
+        return self.processing is not None or self.matcher is not None
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as the token sequences that spell it: alone, and after a space (vLLM's rule: a word
+    in running text is usually tokenized with its leading space)."""
+    found = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, split_special_tokens=True))
+            if ids and ids not in found:
+                found.append(ids)
+    return tuple(found)
+
+
+def processed_row(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
+    """One sequence's logits (V,) after its grammar mask and its logit processing."""
+    state = seq.sampling
+    logits = row.float()[None]  # (1, V)
+    if state.matcher is not None:
+        logits = apply_bitmask(logits, state.matcher.bitmask()[None])
+    if state.processing is not None:
+        outputs = torch.tensor([seq.output_ids], device=row.device, dtype=torch.long).reshape(1, -1)  # (1, N)
+        if state.prompt_seen is None and state.processing.needs_prompt:
+            prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], device=row.device)
+            state.prompt_seen = torch.zeros(row.shape[-1], dtype=torch.bool, device=row.device)
+            state.prompt_seen[prompt] = True
+        seen = None if state.prompt_seen is None else state.prompt_seen[None]
+        logits = process_logits(logits, outputs, state.processing, seen, sorted(seq.eos_ids))
+    return logits[0]
+
+
+def sample(seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
+    """One token per sequence. Rows with the same filter share its work; each draws with its own
+    generator, so a seeded request gets the same tokens whatever else is in the batch."""
+    if not seqs:
+        return []
+    raw = torch.stack(rows)  # (N, V) the model's logits
+    logits = raw
+    special = [i for i, seq in enumerate(seqs) if seq.sampling is not None and seq.sampling.active]
+    if special:
+        logits = raw.float().clone()
+        for i in special:
+            logits[i] = processed_row(seqs[i], raw[i])
+    tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done
+    groups: dict = {}
+    for i, seq in enumerate(seqs):
+        if not seq.params.logits_filter.greedy:
+            groups.setdefault(seq.params.logits_filter, []).append(i)
+    for params, index in groups.items():
+        probs = filter_logits(logits[index], params).softmax(dim=-1)  # (n, V)
+        for row, i in enumerate(index):
+            noise = torch.empty_like(probs[row]).exponential_(generator=seqs[i].generator)
+            # the same exponential race as sampling.sample: argmax(p / E) is a draw from p
+            tokens[i] = int((probs[row] / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax())
+    record(seqs, raw, tokens)
+    return tokens
+
+
+def record(seqs: list[Sequence], raw: torch.Tensor, tokens: list[int]) -> None:
+    """After the draw: advance each grammar, and score the tokens of the sequences that asked for logprobs."""
+    scored = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if scored:
+        k = max(seqs[i].params.logprobs for i in scored)
+        for i, lp in zip(scored, score_tokens(raw[scored], [tokens[i] for i in scored], k)):
+            lp.top = lp.top[: seqs[i].params.logprobs]
+            seqs[i].sampling.logprobs.append(lp)
+    for seq, token in zip(seqs, tokens):
+        if seq.sampling is not None and seq.sampling.matcher is not None:
+            seq.sampling.matcher.accept(token)
+
+
+def score_prompt(seq: Sequence, logits: torch.Tensor, start: int) -> None:
+    """Prompt logprobs from one prefill chunk: logits (T, V) at positions start.. predict the tokens after them."""
+    state, k = seq.sampling, seq.params.prompt_logprobs
+    if not state.prompt_logprobs:
+        state.prompt_logprobs = [None] * seq.num_prompt_tokens  # the first token has no context to score it
+    end = min(start + logits.shape[0], seq.num_prompt_tokens - 1)  # the last position predicts the output
+    if end > start:
+        targets = seq.token_ids[start + 1 : end + 1]
+        for offset, lp in enumerate(score_tokens(logits[: end - start], targets, k)):
+            state.prompt_logprobs[start + 1 + offset] = lp
