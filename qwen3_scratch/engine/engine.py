@@ -24,6 +24,7 @@ from qwen3_scratch.model.qwen3 import Qwen3
 from qwen3_scratch.sampling.logprobs import TokenLogprob
 from qwen3_scratch.sampling.params import MAX_SEED, SamplingParams
 from qwen3_scratch.sampling.structured import GrammarCompiler
+from qwen3_scratch.text.bad_words import bad_words_ids
 from qwen3_scratch.text.stop import TextState
 from qwen3_scratch.text.tokenizer import Tokenizer
 
@@ -82,7 +83,7 @@ class LLMEngine:
         eos = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids)))
         base_seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs else None
-        bad_words = sampler.bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        bad_words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         processing = params.processing(bad_words)
         choices = []
         for index in range(params.n):

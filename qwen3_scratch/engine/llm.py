@@ -32,12 +32,24 @@ GIB = 2**30
 
 
 @dataclass
+class Logprob:
+    """vLLM's: one token's log-probability, its rank among all tokens (1 = likeliest) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS, a stop string or stop token) or "length"
     message: dict | None = None  # chat only: the parsed assistant message (content, reasoning, tool calls)
+    # with SamplingParams(logprobs=k): per token, {id: Logprob} for the token drawn and the top k
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -45,9 +57,20 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)  # one per choice (SamplingParams.n), by index
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with prompt_logprobs=k; None for token 0
+
+
+def as_vllm_logprobs(scored, tokenizer: Tokenizer) -> dict[int, Logprob] | None:
+    """A sampling.logprobs.TokenLogprob -> vLLM's {id: Logprob}: the token taken, then its top alternatives."""
+    if scored is None:
+        return None
+    out = {scored.token_id: Logprob(scored.logprob, scored.rank, tokenizer.decode([scored.token_id]))}
+    for rank, (token_id, logprob) in enumerate(scored.top, start=1):
+        out.setdefault(token_id, Logprob(logprob, rank, tokenizer.decode([token_id])))
+    return out
 
 
 def default_num_blocks(config, dtype_bytes: int, block_size: int, memory_gib: float, max_num_seqs: int) -> int:
@@ -119,10 +142,10 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(outputs)
         for out, p in zip(outputs, params):
             thinking = prompt_opens_thinking(out.prompt_token_ids, self.tokenizer)
-            completion = out.outputs[0]
-            completion.message = parse_assistant(completion.token_ids, self.tokenizer, in_reasoning=thinking)
-            # the answer ends before a stop string
-            completion.message["content"] = AnswerStop.cut(completion.message["content"], p.stop if p else [])
+            for completion in out.outputs:
+                completion.message = parse_assistant(completion.token_ids, self.tokenizer, in_reasoning=thinking)
+                # the answer ends before a stop string
+                completion.message["content"] = AnswerStop.cut(completion.message["content"], p.stop if p else [])
         return outputs
 
     def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:
@@ -135,13 +158,25 @@ class LLM:
             self.engine.check_prompt(ids, p)  # every request checked before any runs
         for request_id, p in zip(outputs, params):
             self.engine.add_request(request_id, outputs[request_id].prompt_token_ids, p)
-        texts = {request_id: "" for request_id in outputs}
+        texts = {(request_id, i): "" for request_id, p in zip(outputs, params) for i in range(p.n)}
         while self.engine.has_unfinished():
             for step in self.engine.step():
-                texts[step.request_id] += step.new_text
+                texts[(step.request_id, step.index)] += step.new_text
                 if step.finished:
-                    out = outputs[step.request_id]
-                    out.finished, out.num_cached_tokens = True, step.seq.num_cached_prompt
-                    text = texts[step.request_id]
-                    out.outputs = [CompletionOutput(0, text, step.seq.output_ids, step.finish_reason)]
+                    self._finished(outputs[step.request_id], step, texts[(step.request_id, step.index)])
+        for out in outputs.values():
+            out.outputs.sort(key=lambda c: c.index)
         return list(outputs.values())
+
+    def _finished(self, out: RequestOutput, step, text: str) -> None:
+        """One choice of `out` is done: add its CompletionOutput (and, the first time, the prompt's logprobs)."""
+        seq = step.seq
+        completion = CompletionOutput(step.index, text, seq.output_ids, step.finish_reason)
+        if seq.params.logprobs is not None:
+            completion.logprobs = [as_vllm_logprobs(lp, self.tokenizer) for lp in seq.sampling.logprobs]
+            completion.cumulative_logprob = sum(lp.logprob for lp in seq.sampling.logprobs)
+        if seq.params.prompt_logprobs is not None and out.prompt_logprobs is None:
+            out.prompt_logprobs = [as_vllm_logprobs(lp, self.tokenizer) for lp in seq.sampling.prompt_logprobs]
+        out.outputs.append(completion)
+        out.num_cached_tokens = max(out.num_cached_tokens, seq.num_cached_prompt)
+        out.finished = len(out.outputs) == seq.params.n

@@ -18,7 +18,6 @@ from qwen3_scratch.sampling.logits import filter_logits
 from qwen3_scratch.sampling.logprobs import TokenLogprob, score_tokens
 from qwen3_scratch.sampling.processors import LogitsProcessing, process_logits
 from qwen3_scratch.sampling.structured import Matcher, apply_bitmask
-from qwen3_scratch.text.tokenizer import Tokenizer
 
 from .scheduler import Sequence
 
@@ -37,18 +36,6 @@ class SamplingState:
     def active(self) -> bool:
         """True when this sequence's logits need more than the plain draw."""
         return self.processing is not None or self.matcher is not None
-
-
-def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
-    """Each bad word as the token sequences that spell it: alone, and after a space (vLLM's rule: a word
-    in running text is usually tokenized with its leading space)."""
-    found = []
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tuple(tokenizer.encode(text, split_special_tokens=True))
-            if ids and ids not in found:
-                found.append(ids)
-    return tuple(found)
 
 
 def processed_row(seq: Sequence, row: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.model.kv_cache import KVCache, attended_slots, attention_mask
 from qwen3_scratch.model.qwen3 import Qwen3
 from qwen3_scratch.sampling.logits import NON_FINITE, sample
+from qwen3_scratch.sampling.processors import LogitsProcessing, LoopProcessing
 from qwen3_scratch.sampling.params import SamplingParams
 from qwen3_scratch.text.chat_parser import Delta, StreamParser, prompt_opens_thinking
 from qwen3_scratch.text.stop import AnswerStop, TextState
@@ -146,12 +147,14 @@ class Conversation:
         self.last_ids: list[int] = []  # the generated ids of the last turn, EOS included
         self.last_stats: TurnStats | None = None
 
-    def stream(self, messages: list[dict], params: SamplingParams, tools=None, thinking: bool = True) -> Iterator[Delta]:
+    def stream(self, messages: list[dict], params: SamplingParams, tools=None, thinking: bool = True,
+               processing: LogitsProcessing | None = None) -> Iterator[Delta]:  # fmt: skip
         """Yield the reply to `messages` as typed pieces; `last_message` holds it once the stream ends.
 
         params: its unset fields take the checkpoint's defaults. The reply ends at EOS, a stop token,
         max_tokens or the context end; at a stop string the answer ends before it. Closing the stream
-        early (Ctrl-C) still leaves what was generated so far in `last_message`.
+        early (Ctrl-C) still leaves what was generated so far in `last_message`. processing: the
+        request's penalties, bias, min_tokens and bad words (sampling/processors.py).
         """
         params = params.with_defaults(self.generation_config)
         context = self.model.config.max_position_embeddings
@@ -169,10 +172,18 @@ class Conversation:
         reused = min(common_prefix_length(self.cache.tokens, prompt), len(prompt) - 1)
         self.last_prompt, self.last_ids, self.last_message, self.last_stats = prompt, [], None, None
         start, ttft, finished = time.perf_counter(), None, False
+        process = None
+        if processing is not None and processing.active:
+            process = LoopProcessing(processing, torch.tensor([prompt], device=self.model.device),
+                                     self.model.config.vocab_size, sorted(stop_ids))  # fmt: skip
         try:
             logits = self.cache.prefill(prompt, reserve=n_new)  # (1, V)
             for i in range(n_new):
+                if process is not None:
+                    logits = process(logits)
                 token = int(sample(logits, params.logits_filter, generator))  # the host sync streaming needs anyway
+                if process is not None:
+                    process.push(torch.tensor([token], device=logits.device))
                 if token == NON_FINITE:
                     raise GenerationError(f"stopped at generated token {i + 1}: the model's logits are NaN or inf; "
                                           "try --dtype float32, or download the checkpoint again")  # fmt: skip

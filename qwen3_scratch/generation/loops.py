@@ -22,6 +22,7 @@ from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.model.kv_cache import KVCache, attended_slots, attention_mask
 from qwen3_scratch.model.qwen3 import Qwen3
 from qwen3_scratch.sampling.logits import LogitsFilter, sample
+from qwen3_scratch.sampling.processors import LogitsProcessing, LoopProcessing
 
 
 @dataclass
@@ -146,6 +147,7 @@ def generate_tokens(
     ignore_eos: bool = False,
     pad_id: int = 0,
     compile: bool = False,
+    processing: LogitsProcessing | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) on the model's device, -1 once a row has finished,
     NON_FINITE (-2) where a row's logits were NaN or inf: the caller must stop there (checking it
@@ -153,6 +155,9 @@ def generate_tokens(
 
     A row finishes when it emits one of eos_ids (the EOS token itself is yielded). The loop ends when
     every row has finished, after max_new_tokens, or when the context is full.
+
+    processing: the request's penalties, bias, min_tokens and bad words (sampling/processors.py), applied
+    to each step's logits before `sampling`; min_tokens holds back eos_ids.
     """
     device = model.device
     batch = PaddedBatch.left_pad(prompts, pad_id, device)
@@ -161,9 +166,16 @@ def generate_tokens(
     loop = CachedLoop(model, batch, n_new, compile) if use_cache else RecomputeLoop(model, batch)
     eos = torch.tensor(list(eos_ids), device=device, dtype=torch.long)
     finished = torch.zeros(batch.ids.shape[0], dtype=torch.bool, device=device)
+    process = None
+    if processing is not None and processing.active:
+        process = LoopProcessing(processing, batch.ids, model.config.vocab_size, eos_ids, batch.valid)
     logits = loop.start()
     for i in range(n_new):
+        if process is not None:
+            logits = process(logits)
         tokens = sample(logits, sampling, generator)  # (B,)
+        if process is not None:
+            process.push(tokens)
         yield torch.where(finished, -1, tokens)
         if not ignore_eos and len(eos):
             finished |= torch.isin(tokens, eos)

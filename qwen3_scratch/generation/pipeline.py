@@ -25,6 +25,7 @@ from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.sampling.defaults import load_generation_config, stop_token_ids
 from qwen3_scratch.sampling.logits import NON_FINITE
 from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.bad_words import bad_words_ids
 from qwen3_scratch.text.chat_parser import Delta
 from qwen3_scratch.text.limits import DEFAULT_BATCH_SIZE, MAX_BYTES_PER_TOKEN, check_prompt, count_tokens_upto
 from qwen3_scratch.text.stop import TextState
@@ -47,6 +48,8 @@ CPU_COMPILE_REFUSAL = (
     "2 minutes of compiling (docs/performance.md); drop --compile"
 )
 __all__ = ["DEFAULT_BATCH_SIZE", "Pipeline"]
+# SamplingParams fields the simple loops do not implement, with the value that means "not asked for"
+ENGINE_ONLY = {"n": 1, "logprobs": None, "prompt_logprobs": None, "structured_outputs": None}
 
 
 class Pipeline:
@@ -86,8 +89,18 @@ class Pipeline:
                    measure_bandwidth=measure_bandwidth)  # fmt: skip
 
     def resolve(self, params: SamplingParams | None) -> SamplingParams:
-        """params (None: SamplingParams()) with the checkpoint's defaults for what it leaves unset."""
-        return (params or SamplingParams()).with_defaults(self.generation_config)
+        """params (None: SamplingParams()) with the checkpoint's defaults for what it leaves unset; refuses the
+        fields only the engine implements, rather than ignoring them."""
+        params = (params or SamplingParams()).with_defaults(self.generation_config)
+        for name, off in ENGINE_ONLY.items():
+            if getattr(params, name) != off:
+                raise GenerationError(f"Pipeline does not implement {name}; use LLM (the engine), which does")
+        return params
+
+    def processing(self, params: SamplingParams):
+        """The request's logit processing (penalties, bias, min_tokens, bad words) for the loops."""
+        words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        return params.processing(words)
 
     def stop_ids(self, params: SamplingParams) -> set[int]:
         """The ids that end a row: the request's stop_token_ids, and EOS unless it ignores EOS."""
@@ -144,7 +157,7 @@ class Pipeline:
         ttft, steps, generated, first = None, 0, 0, 0
         tokens = generate_tokens(
             self.model, prompts, max_new, params.logits_filter, self.stop_ids(params), generator,
-            use_cache=self.use_cache, pad_id=pad_id, compile=self.compile,
+            use_cache=self.use_cache, pad_id=pad_id, compile=self.compile, processing=self.processing(params),
         )  # fmt: skip
         try:
             for step_tokens in tokens:
@@ -253,7 +266,8 @@ class Pipeline:
         `self.conversation.last_message` is the reply (also after the stream is closed early)."""
         conversation = self.conversation
         try:
-            yield from conversation.stream(messages, self.resolve(params), tools, thinking)
+            params = self.resolve(params)
+            yield from conversation.stream(messages, params, tools, thinking, self.processing(params))
         finally:
             if (turn := conversation.last_stats) is not None:
                 steps = turn.generated_tokens

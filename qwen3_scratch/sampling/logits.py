@@ -161,11 +161,13 @@ def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generato
     and it compiles into a graph. Filtered tokens have p = 0 and can never win. (Under
     torch.compile(fullgraph=True) pass generator=None: dynamo cannot trace a Generator argument.)
 
-    A row whose logits (or probabilities) are not all finite gets NON_FINITE instead of a token: the
+    A row whose logits hold NaN or +inf (or have no finite entry at all), or whose probabilities are not
+    all finite, gets NON_FINITE instead of a token: the
     argmax of NaNs is a meaningless id (often 0, forever after). Marking the row here, on the device,
     costs no host sync; the consumer, which reads every step's tokens anyway, stops on it.
     """
-    finite = torch.isfinite(logits).all(dim=-1)  # (B,)
+    # -inf is a banned token (a grammar, a bias, min_tokens), not a fault; NaN and +inf are, as is a row with nothing left
+    finite = ~(logits.isnan() | logits.isposinf()).any(dim=-1) & torch.isfinite(logits).any(dim=-1)  # (B,)
     if params.greedy:
         # first index on ties: deterministic. Widening to fp32 is exact and leaves the order alone; on a
         # CPU torch's argmax over 151936 bf16 logits takes ~0.57 ms, over their fp32 copy ~0.19 ms.

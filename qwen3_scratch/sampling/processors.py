@@ -111,3 +111,22 @@ def prompt_mask(prompts: torch.Tensor, vocab_size: int, valid: torch.Tensor | No
     marks = torch.ones_like(prompts) if valid is None else valid.long()  # padding adds 0 to its id
     counts = torch.zeros(prompts.shape[0], vocab_size, dtype=torch.long, device=prompts.device)
     return counts.scatter_add_(1, prompts, marks) > 0
+
+
+class LoopProcessing:
+    """`process_logits` inside a token loop: keeps each row's generated ids as a tensor (no host sync).
+
+    prompts (B, T) with valid (B, T) (False on left padding); stop_ids: what min_tokens holds back."""
+
+    def __init__(self, processing: LogitsProcessing, prompts: torch.Tensor, vocab_size: int, stop_ids=(),
+                 valid: torch.Tensor | None = None):  # fmt: skip
+        self.processing, self.stop_ids = processing, list(stop_ids)
+        self.seen = prompt_mask(prompts, vocab_size, valid) if processing.needs_prompt else None  # (B, V)
+        self.outputs = torch.empty(prompts.shape[0], 0, dtype=torch.long, device=prompts.device)  # (B, N)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return process_logits(logits, self.outputs, self.processing, self.seen, self.stop_ids)
+
+    def push(self, tokens: torch.Tensor) -> None:
+        """tokens (B,): this step's ids (negative marks, for finished rows, count as id 0: never read again)."""
+        self.outputs = torch.cat([self.outputs, tokens.clamp_min(0)[:, None]], dim=1)
