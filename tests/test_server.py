@@ -224,8 +224,8 @@ BAD_REQUESTS = {
     "prompt over the context": ("/v1/completions", {"model": MODEL, "prompt": list(range(3000)), "max_tokens": 1}, 400),
     "messages not a list": ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 422),
     "missing prompt": ("/v1/completions", {"model": MODEL}, 422),
-    "n above 1": ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400),
-    "unknown route": ("/v1/embeddings", {"model": MODEL, "input": "hi"}, 404),
+    "n above 128": ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 129}, 400),
+    "unknown route": ("/v1/rerank", {"model": MODEL, "input": "hi"}, 404),
 }
 
 

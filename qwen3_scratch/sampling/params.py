@@ -164,7 +164,7 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         self.bad_words = [] if self.bad_words is None else self.bad_words
         if isinstance(self.logit_bias, dict):  # JSON object keys arrive as strings: "100" means id 100
-            self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
+            self.logit_bias = token_id_keys(self.logit_bias)
         check_fields({f.name: getattr(self, f.name) for f in fields(self)})
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             require(False, "min_tokens", f"at most max_tokens ({self.max_tokens})", self.min_tokens)
@@ -204,8 +204,6 @@ class SamplingParams:
         )  # fmt: skip
 
 
-def _int_key(key):
-    """A logit_bias key as a token id: JSON sends "100"; anything else is left for the check to refuse."""
-    if isinstance(key, str) and key.strip().isdigit() and len(key) <= 12:
-        return int(key)
-    return key
+def token_id_keys(bias: dict) -> dict:
+    """logit_bias with its keys as token ids: JSON sends "100" for id 100; other keys are left for the check to refuse."""
+    return {int(k) if isinstance(k, str) and k.isdigit() and len(k) <= 12 else k: v for k, v in bias.items()}

@@ -4,9 +4,13 @@ Routes only translate: JSON -> token ids and SamplingParams -> `AsyncEngine.gene
 -> JSON (or server-sent events). Chat replies go through chat_parser, the same parser `LLM.chat`
 uses, so reasoning and tool calls come out alike on both paths.
 
-Every bad request gets OpenAI's error body `{"error": {"message", "type", "code"}}`: 400 for values
-the engine refuses (and malformed JSON), 404 for an unknown model or route, 422 for a body of the
-wrong shape, 401 for a missing or wrong API key. Nothing reaches the client as a traceback.
+Every bad request gets OpenAI's error body `{"error": {"message", "type", "code", "param"}}`: 400 for
+values the engine refuses, for fields this server does not implement (fields.py: `param` names the field)
+and for malformed JSON, 404 for an unknown model or route, 422 for a body of the wrong shape, 401 for a
+missing or wrong API key. Nothing reaches the client as a traceback.
+
+A request's n choices (and each prompt of a list on /v1/completions) are built by choices.py; logprobs
+are formatted by logprobs.py; response_format and tool_choice become a grammar in structured.py.
 """
 
 import json
@@ -21,12 +25,13 @@ from starlette.exceptions import HTTPException
 
 from qwen3_scratch.errors import Qwen3Error
 from qwen3_scratch.sampling.params import SamplingParams
-from qwen3_scratch.text.chat_parser import StreamParser, prompt_opens_thinking
-from qwen3_scratch.text.stop import AnswerStop
 from qwen3_scratch.text.tokenizer import Tokenizer
 
 from . import protocol as api
 from .async_engine import AsyncEngine
+from .choices import ChatChoice, CompletionChoice, merge
+from .fields import CHAT, CHAT_VLLM, COMPLETIONS, RefusedField
+from .structured import chat_structure, from_vllm_fields
 
 
 class ServerError(Exception):
@@ -100,46 +105,64 @@ async def models(request: Request):
 async def completions(body: api.CompletionRequest, request: Request):
     s: Serving = request.app.state.serving
     s.check_model(body.model)
-    prompt_ids = s.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    params = body.params(s.defaults, body.max_tokens if body.max_tokens is not None else 16)  # OpenAI's default
-    s.engine.check(prompt_ids, params)
+    body.check_fields("completions")
+    prompts = [s.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
+    echo_only = body.echo and max_tokens == 0  # OpenAI's way to score a prompt: echo it, generate nothing
+    k = body.logprobs
+    structured = from_vllm_fields(body)
+    params = body.params(s.defaults, 1 if echo_only else max_tokens, logprobs=k,
+                         prompt_logprobs=k if body.echo and k is not None else None,
+                         structured=structured[1] if structured else None)  # fmt: skip
+    for ids in prompts:
+        s.engine.check(ids, params)
+    choices = {(p, i): CompletionChoice(p * params.n + i, s.tokenizer, ids, body.echo, k is not None)
+               for p, ids in enumerate(prompts) for i in range(params.n)}  # fmt: skip
     request_id = api.new_id("cmpl")
-    steps = s.engine.generate(prompt_ids, params)
+    steps = merge([s.engine.generate(ids, params) for ids in prompts])
     if body.stream:
-        return sse(stream_completion(steps, request_id, s.model_name, len(prompt_ids), body.include_usage))
-    text, out = "", None
-    async for out in steps:
-        text += out.new_text
-    used = api.usage(len(prompt_ids), len(out.seq.output_ids), out.seq.num_cached_prompt)
-    return api.completion_body(request_id, s.model_name, text, out.finish_reason, used)
+        return sse(stream_completion(steps, choices, request_id, s.model_name, prompts, body.include_usage, echo_only))
+    async for p, out in steps:
+        choices[(p, out.index)].push(out, 0)
+    used = completion_usage(prompts, choices, echo_only)
+    bodies = [c.whole(keep_generated=not echo_only) for c in sorted(choices.values(), key=lambda c: c.index)]
+    return api.completion_body(request_id, s.model_name, bodies, used)
+
+
+def completion_usage(prompts, choices, echo_only: bool) -> dict:
+    generated = 0 if echo_only else sum(len(c.out.seq.output_ids) for c in choices.values())
+    cached = sum(choices[(p, 0)].out.seq.num_cached_prompt for p in range(len(prompts)))
+    return api.usage(sum(len(ids) for ids in prompts), generated, cached)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     s: Serving = request.app.state.serving
     s.check_model(body.model)
+    body.check_fields("chat")
+    structured = chat_structure(body, s.tokenizer)
     tools = body.tools if body.tool_choice != "none" else None
-    prompt_ids = s.tokenizer.chat_ids(body.chat_messages(), enable_thinking=body.enable_thinking, tools=tools)
+    # A grammar governs every generated token, so a constrained answer is asked for without reasoning first.
+    thinking = body.enable_thinking and structured is None
+    prompt_ids = s.tokenizer.chat_ids(body.chat_messages(), enable_thinking=thinking, tools=tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = body.params(s.defaults, max_tokens)  # None: up to the context, as vLLM does for chat
+    # max_tokens None: up to the context, as vLLM does for chat
+    params = body.params(s.defaults, max_tokens, logprobs=body.logprobs_k(), structured=structured)
     s.engine.check(prompt_ids, params)
-    parser = StreamParser(s.tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, s.tokenizer))
+    choices = [ChatChoice(i, s.tokenizer, prompt_ids, params.stop, body.logprobs) for i in range(params.n)]
     request_id = api.new_id("chatcmpl")
     steps = s.engine.generate(prompt_ids, params)
     if body.stream:
-        events = stream_chat(steps, parser, AnswerStop(params.stop), request_id, s.model_name, len(prompt_ids),
-                             body.include_usage)  # fmt: skip
-        return sse(events)
-    out = None
+        return sse(stream_chat(steps, choices, request_id, s.model_name, len(prompt_ids), body.include_usage))
     async for out in steps:
-        for token in out.new_token_ids:
-            parser.push(token)
-    parser.finish()
-    parsed = parser.message()
-    parsed["content"] = AnswerStop.cut(parsed["content"], params.stop)  # the answer ends before a stop string
-    used = api.usage(len(prompt_ids), len(out.seq.output_ids), out.seq.num_cached_prompt, parser.reasoning_tokens)
-    reason = api.chat_finish_reason(out.finish_reason, parsed.get("tool_calls"))
-    return api.chat_response(request_id, s.model_name, api.assistant_message(parsed), reason, used)
+        choices[out.index].push(out)
+    return api.chat_response(request_id, s.model_name, [c.whole() for c in choices], chat_usage(len(prompt_ids), choices))
+
+
+def chat_usage(prompt_tokens: int, choices: list[ChatChoice]) -> dict:
+    generated = sum(len(c.out.seq.output_ids) for c in choices)
+    reasoning = sum(c.parser.reasoning_tokens for c in choices)
+    return api.usage(prompt_tokens, generated, choices[0].out.seq.num_cached_prompt, reasoning)
 
 
 def sse(events) -> StreamingResponse:
@@ -150,45 +173,65 @@ def event(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def stream_completion(steps, request_id, model, prompt_tokens, include_usage):
-    async for out in steps:  # leaving this loop early (client gone) closes `steps`, which aborts the request
-        if out.new_text or out.finished:
-            yield event(api.completion_body(request_id, model, out.new_text, out.finish_reason, chunk=True))
+async def stream_completion(steps, choices, request_id, model, prompts, include_usage, echo_only):
+    def chunk(choice, text, reason=None, logprobs=None):
+        return event(api.completion_body(request_id, model, [api.completion_choice(choice.index, text, reason, logprobs)],
+                                         chunk=True))  # fmt: skip
+
+    echoed: dict[int, int] = {}  # choice index -> characters of echoed prompt text sent before its own text
+    async for p, out in steps:  # leaving this loop early (client gone) closes `steps`, which aborts the request
+        choice = choices[(p, out.index)]
+        if choice.echo and choice.index not in echoed:
+            text, logprobs = choice.prompt_part(out.seq)
+            echoed[choice.index] = len(text)
+            yield chunk(choice, text, logprobs=logprobs)
+        logprobs = choice.push(out, echoed.get(choice.index, 0) + len(choice.text))
+        if echo_only:
+            if out.finished:
+                yield chunk(choice, "", "length")
+        elif out.new_text or out.finished or logprobs:
+            yield chunk(choice, out.new_text, out.finish_reason, logprobs)
     if include_usage:
-        used = api.usage(prompt_tokens, len(out.seq.output_ids), out.seq.num_cached_prompt)
-        yield event({**api.completion_body(request_id, model, "", None, chunk=True), "choices": [], "usage": used})
+        used = completion_usage(prompts, choices, echo_only)
+        yield event({**api.completion_body(request_id, model, [], chunk=True), "usage": used})
     yield "data: [DONE]\n\n"
 
 
-async def stream_chat(steps, parser: StreamParser, shown: AnswerStop, request_id, model, prompt_tokens, include_usage):
-    yield event(api.chat_chunk(request_id, model, {"role": "assistant", "content": ""}))
-    calls = 0
+async def stream_chat(steps, choices: list[ChatChoice], request_id, model, prompt_tokens, include_usage):
+    for choice in choices:
+        yield event(api.chat_chunk(request_id, model, {"role": "assistant", "content": ""}, index=choice.index))
     async for out in steps:
-        deltas = [d for token in out.new_token_ids for d in parser.push(token)]
+        choice = choices[out.index]
+        logprobs = choice.step_logprobs(out)
+        for j, delta in enumerate(choice.push(out)):
+            yield event(api.chat_chunk(request_id, model, delta, index=choice.index, logprobs=None if j else logprobs))
         if out.finished:
-            deltas += parser.finish()
-        for delta in shown.pieces(deltas, finished=out.finished):  # the answer held back while a stop string may form
-            yield event(api.chat_chunk(request_id, model, api.delta_body(delta, calls)))
-            calls += delta.kind == "tool_call"
-    reason = api.chat_finish_reason(out.finish_reason, calls)
-    yield event(api.chat_chunk(request_id, model, {}, reason))
+            yield event(api.chat_chunk(request_id, model, {}, choice.finish_reason, index=choice.index))
     if include_usage:
-        used = api.usage(prompt_tokens, len(out.seq.output_ids), out.seq.num_cached_prompt, parser.reasoning_tokens)
-        yield event(api.chat_chunk(request_id, model, None, usage_body=used))
+        yield event(api.chat_chunk(request_id, model, None, usage_body=chat_usage(prompt_tokens, choices)))
     yield "data: [DONE]\n\n"
+
+
+# the request fields an engine error may name, for its `param`
+KNOWN_FIELDS = set(CHAT) | set(CHAT_VLLM) | set(COMPLETIONS)
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    def reply(status: int, message: str, type_: str, code) -> JSONResponse:
-        return JSONResponse(api.error_body(message, type_, code), status_code=status)
+    def reply(status: int, message: str, type_: str, code, param: str | None = None) -> JSONResponse:
+        return JSONResponse(api.error_body(message, type_, code, param), status_code=status)
 
     @app.exception_handler(ServerError)
     async def server_error(request, error: ServerError):
         return reply(error.status, error.message, error.type, error.code)
 
+    @app.exception_handler(RefusedField)
+    async def refused_field(request, error: RefusedField):
+        return reply(400, error.message, "invalid_request_error", "invalid_value", error.param)
+
     @app.exception_handler(Qwen3Error)
     async def engine_refused(request, error: Qwen3Error):
-        return reply(400, str(error), "invalid_request_error", "invalid_value")
+        first = str(error).split(" ", 1)[0]  # "logit_bias token ids must be ...": name the field
+        return reply(400, str(error), "invalid_request_error", "invalid_value", first if first in KNOWN_FIELDS else None)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request, error: RequestValidationError):
