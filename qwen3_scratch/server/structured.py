@@ -89,7 +89,8 @@ def tool_call_grammar(functions: list[dict], many: bool, tokenizer: Tokenizer) -
     for i, function in enumerate(functions):
         schema = {"type": "object", "properties": {"name": {"const": function.get("name")},
                   "arguments": function.get("parameters") or {"type": "object"}},
-                  "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+                  "required": ["name", "arguments"], "additionalProperties": False,
+                  "x-guidance": {"whitespace_flexible": False}}  # compact, as sampling/structured.py says why  # fmt: skip
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
     return "\n".join(rules)
 
