@@ -145,3 +145,31 @@ def build_moe_checkpoint(path, *, dtype=torch.float32, max_shard_size=None, orig
 def load_moe_reference(path, dtype=torch.float32):
     """The MoE checkpoint through transformers, with its default experts implementation."""
     return transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def build_embedding_checkpoint(path, tokenizer_from, *, seed=0, **overrides) -> Path:
+    """A random Qwen3-Embedding checkpoint in the Hub's layout: transformers' Qwen3Model saved alone (keys
+    without `model.`, no lm_head), config.json saying "Qwen3ForCausalLM" as Qwen's embedding repos do, and
+    the tokenizer files of the checkpoint folder `tokenizer_from` (its vocabulary size is kept)."""
+    import shutil
+
+    path, source = Path(path), Path(tokenizer_from)
+    vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
+    kwargs = {**TINY, "vocab_size": vocab_size, **overrides}
+    rope_theta = kwargs.pop("rope_theta")
+    config = transformers.Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3Model(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    model.save_pretrained(path)
+    _merge_into_single_file(path)
+    _rewrite_config_hub_style(path / "config.json")
+    config_json = json.loads((path / "config.json").read_text())
+    config_json["architectures"] = ["Qwen3ForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, path / name)
+    return path

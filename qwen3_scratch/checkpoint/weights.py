@@ -15,6 +15,11 @@ naming the file and the tensor, never half-loaded:
     before a model is built from it, so a config claiming 10^7 layers fails in milliseconds;
   - then the model-level rules, which are ours: every parameter named exactly once, shapes and
     dtypes as config.json says, a tied lm_head equal to the embedding.
+
+Qwen3-Embedding checkpoints are the body alone, saved from transformers' Qwen3Model: their keys have no
+`model.` prefix (`embed_tokens.weight`, `layers.0...`, `norm.weight`) and there is no lm_head, whatever
+config.json's `architectures` ("Qwen3ForCausalLM" in Qwen's repos) and `tie_word_embeddings` (false in
+the 8B's) say. Such a checkpoint loads as a headless Qwen3 (`lm_head` None), with the same strict rules.
 """
 
 import re
@@ -211,6 +216,13 @@ def _check_matches_model(entries: dict[str, TensorEntry], model: Qwen3, config: 
             raise CheckpointError(f"{printable(entries['lm_head.weight'].file)}: lm_head.weight has the wrong shape")
 
 
+def headless_entries(entries: dict[str, TensorEntry]) -> dict[str, TensorEntry] | None:
+    """An embedding checkpoint's tensors under our parameter names (`model.` prefixed), or None if it is not one."""
+    if "embed_tokens.weight" not in entries or "model.embed_tokens.weight" in entries:
+        return None
+    return {f"model.{name}": entry for name, entry in entries.items()}
+
+
 def load_tensor(entry: TensorEntry, device, dtype) -> torch.Tensor:
     """One tensor as a view of its mapped shard, then moved/cast (a no-op on CPU in the stored dtype)."""
     tensor = entry.shard.get_tensor(entry.name)
@@ -240,11 +252,18 @@ def load_model(path, device="cpu", dtype=torch.float32, optimize=None, quantize=
         dtype = DTYPES[dtype]
     config = Qwen3Config.from_json(folder / "config.json")
     entries = split_fused_experts(read_checkpoint_index(folder), config)
+    flat = headless_entries(entries)
+    entries = flat if flat is not None else entries
     check_config_matches_tensors(config, entries, folder)
     _check_expert_count(entries, config)
     with torch.device("meta"):
-        model = Qwen3(config)
+        model = Qwen3(config, head=flat is None)
     _check_matches_model(entries, model, config)
+    if flat is not None:  # no lm_head: nothing to fuse or compile for decoding either
+        if quantize is not None:
+            raise CheckpointError(f"{printable(folder)} is an embedding checkpoint (no lm_head); --quantize is for "
+                                  "generative checkpoints")  # fmt: skip
+        return _fill(model, entries, device, dtype).eval()
     tied_head = config.tie_word_embeddings
     if tied_head and "lm_head.weight" in entries:  # tied, but saved anyway: it must equal the embedding
         head, embedding = (load_tensor(entries[name], "cpu", entries[name].dtype)
@@ -254,12 +273,18 @@ def load_model(path, device="cpu", dtype=torch.float32, optimize=None, quantize=
                 f"{printable(entries['lm_head.weight'].file)}: lm_head.weight differs from the embedding but "
                 "config.json says tie_word_embeddings=true; fix the config"
             )
+    _fill(model, entries, device, dtype)
+    if tied_head:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return optimize_layout(model, optimize, quantize).eval()
+
+
+def _fill(model: Qwen3, entries: dict[str, TensorEntry], device, dtype) -> Qwen3:
+    """Every parameter of the meta-device model becomes its (checked) tensor; then the RoPE tables."""
     for name, _ in list(model.named_parameters()):
         module_name, _, attr = name.rpartition(".")
         tensor = load_tensor(entries[name], device, dtype)
         setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
-    del tensor  # only the model holds the weights now, so a transform below frees each one it replaces
-    if tied_head:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        del tensor  # only the model holds the weights now, so a layout transform frees each one it replaces
     model.build_rope_tables(device, dtype)
-    return optimize_layout(model, optimize, quantize).eval()
+    return model

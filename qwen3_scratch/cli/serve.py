@@ -1,7 +1,8 @@
 """`python -m qwen3_scratch.serve --model weights/tiny-qwen3` (or `qwen3-serve`): the OpenAI-compatible server.
 
 Loads the checkpoint (LLM), starts the engine thread (AsyncEngine), serves the FastAPI app
-(server/app.py) with uvicorn on 127.0.0.1:8000 unless told otherwise. Each flag maps to one parameter.
+(server/app.py) with uvicorn on 127.0.0.1:8000 unless told otherwise. An embedding checkpoint
+(Qwen3-Embedding) is served at /v1/embeddings instead. Each flag maps to one parameter.
 Like the other commands: bad input is one line on stderr and exit 2, Ctrl-C exits 130, quietly.
 """
 
@@ -55,6 +56,12 @@ def serve(args: argparse.Namespace) -> None:
     from qwen3_scratch.server.async_engine import AsyncEngine
 
     llm = load(args)
+    name = args.served_model_name or args.model
+    if llm.is_embedding_model:  # Qwen3-Embedding: /v1/embeddings only, no engine thread, no KV pool
+        print("embedding checkpoint: serving /v1/embeddings", file=sys.stderr)
+        uvicorn.run(build_app(None, llm.tokenizer, name, None, api_key=args.api_key, embedder=llm.embedder),
+                    host=args.host, port=args.port, log_level="info")  # fmt: skip
+        return
     blocks = llm.engine.blocks
     print(f"KV pool: {blocks.num_blocks} blocks x {blocks.block_size} tokens = {blocks.num_blocks * blocks.block_size} "
           f"token slots (context {llm.engine.context})", file=sys.stderr)  # fmt: skip

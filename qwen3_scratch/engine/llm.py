@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from qwen3_scratch.checkpoint.hub import resolve_checkpoint
 from qwen3_scratch.checkpoint.placement import pick_device, pick_dtype
 from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.model.kv_cache import kv_cache_bytes
 from qwen3_scratch.sampling.defaults import load_generation_config, stop_token_ids
 from qwen3_scratch.sampling.params import SamplingParams
@@ -26,6 +27,7 @@ from qwen3_scratch.text.chat_parser import parse_assistant, prompt_opens_thinkin
 from qwen3_scratch.text.stop import AnswerStop
 from qwen3_scratch.text.tokenizer import Tokenizer
 
+from .embedder import Embedder, EmbeddingOutput, EmbeddingRequestOutput
 from .engine import LLMEngine
 
 GIB = 2**30
@@ -105,13 +107,31 @@ class LLM:
         self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), optimize="batch")
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.generation_config = load_generation_config(self.checkpoint)
+        self.embedder = Embedder(self.model, self.tokenizer)
+        self._ids = itertools.count()
+        self.engine: LLMEngine | None = None
+        if self.model.lm_head is None:  # an embedding checkpoint (Qwen3-Embedding): embed() only, no KV pool
+            return
         if num_blocks is None:
             dtype_bytes = self.model.activation_dtype.itemsize
             num_blocks = default_num_blocks(self.model.config, dtype_bytes, block_size, kv_cache_memory_gib, max_num_seqs)
         self.engine = LLMEngine(
             self.model, self.tokenizer, self.eos_ids, num_blocks, block_size, max_num_seqs, max_num_batched_tokens
         )
-        self._ids = itertools.count()
+
+    @property
+    def is_embedding_model(self) -> bool:
+        return self.engine is None
+
+    def embed(self, prompts, *, dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One unit-length embedding per prompt (str, list of str, or token-id lists), in order; dimensions
+        keeps the first coordinates (Matryoshka) and normalises again. Queries: wrap them with
+        engine.embedder.format_query(task, query) first, as Qwen3-Embedding's card says."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.embedder.token_ids(p) if isinstance(p, str) else list(p) for p in prompts]
+        vectors = self.embedder.embed_ids(ids, dimensions)
+        return [EmbeddingRequestOutput(i, EmbeddingOutput(v.tolist())) for i, v in zip(ids, vectors)]
 
     @property
     def eos_ids(self) -> list[int]:
@@ -149,6 +169,9 @@ class LLM:
         return outputs
 
     def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:
+        if self.engine is None:
+            raise GenerationError(f"{self.checkpoint} is an embedding checkpoint (no lm_head): it can embed "
+                                  "(LLM.embed, /v1/embeddings), not generate")  # fmt: skip
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         params = [(p or SamplingParams()).with_defaults(self.generation_config) for p in params]
         outputs: dict[str, RequestOutput] = {}

@@ -160,7 +160,9 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    """The transformer body: token ids (B, T) -> final hidden states (B, T, C)."""
+    """The transformer body: token ids (B, T) -> final hidden states (B, T, C), normed.
+
+    Qwen3-Embedding checkpoints are this alone (no lm_head); their embedding is the last token's row."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -168,14 +170,22 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def forward(self, input_ids, cos, sin, mask=None, cache: KVCache | None = None, cache_slots=None):
+        """input_ids (B, T), RoPE cos/sin (B, T, D) of their positions -> hidden states (B, T, C)."""
+        x = self.embed_tokens(input_ids)  # (B, T, C)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, cache_slots)
+        return self.norm(x)  # per token, so normalising all T rows equals normalising the ones used
+
 
 class Qwen3(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, head: bool = True):
+        """head=False: the body alone (an embedding checkpoint); forward() then refuses, hidden_states() works."""
         super().__init__()
         self.config = config
         self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if head else None
+        if config.tie_word_embeddings and head:
             # One matrix both maps ids to vectors and scores vectors against every id.
             self.lm_head.weight = self.model.embed_tokens.weight
         # cos/sin for the positions generations have needed so far; not saved with the weights.
@@ -225,6 +235,16 @@ class Qwen3(nn.Module):
         cache: write this forward's keys/values at cache_slots (T,) and attend over the first S slots,
             S = mask.shape[-1]; the mask defaults to causal-by-slot over all of the cache's slots.
         """
+        if self.lm_head is None:
+            raise ValueError("this is an embedding checkpoint (no lm_head): it has hidden states, not logits")
+        x = self.hidden_states(input_ids, position_ids, mask, cache, cache_slots)  # (B, T, C)
+        if last_only:
+            x = x[:, -1:, :]  # (B, 1, C): generation only needs the next token's scores
+        return self.lm_head(x)  # (B, T, V)
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids, position_ids=None, mask=None, cache: KVCache | None = None, cache_slots=None):
+        """input_ids (B, T) -> the body's final hidden states (B, T, C); arguments as forward's."""
         B, T = input_ids.shape
         if position_ids is None:
             self.reserve_positions(T)
@@ -238,9 +258,4 @@ class Qwen3(nn.Module):
             if mask is None:
                 mask = attention_mask(cache_slots, cache.key_valid)
         cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]  # (B, T, D) each
-        x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, cache, cache_slots)
-        if last_only:
-            x = x[:, -1:, :]  # (B, 1, C): generation only needs the next token's scores
-        return self.lm_head(self.model.norm(x))  # (B, T, V)
+        return self.model(input_ids, cos, sin, mask, cache, cache_slots)  # (B, T, C)

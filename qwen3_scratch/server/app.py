@@ -30,6 +30,8 @@ from qwen3_scratch.text.tokenizer import Tokenizer
 from . import protocol as api
 from .async_engine import AsyncEngine
 from .choices import ChatChoice, CompletionChoice, merge
+from .embeddings import EMBEDDINGS
+from .embeddings import router as embeddings_router
 from .fields import CHAT, CHAT_VLLM, COMPLETIONS, RefusedField
 from .structured import chat_structure, from_vllm_fields
 
@@ -43,25 +45,32 @@ class ServerError(Exception):
 class Serving:
     """What the routes need, kept on app.state: the engine thread and how to talk to it."""
 
-    engine: AsyncEngine
+    engine: AsyncEngine | None  # None: an embedding checkpoint, served at /v1/embeddings only
     tokenizer: Tokenizer
     model_name: str
-    defaults: SamplingParams  # the checkpoint's sampling defaults, for fields a request leaves out
+    defaults: SamplingParams | None  # the checkpoint's sampling defaults, for fields a request leaves out
+    embedder: object | None = None  # engine/embedder.py's Embedder, for an embedding checkpoint
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise ServerError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                               "invalid_request_error", "model_not_found")  # fmt: skip
 
+    def check_generative(self) -> None:
+        if self.engine is None:
+            raise RefusedField("model", f"{self.model_name} is an embedding model: it serves /v1/embeddings only")
 
-def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, defaults: SamplingParams,
-              api_key: str | None = None) -> FastAPI:  # fmt: skip
+
+def build_app(engine: AsyncEngine | None, tokenizer: Tokenizer, model_name: str, defaults: SamplingParams | None,
+              api_key: str | None = None, embedder=None) -> FastAPI:  # fmt: skip
+    """The app over a generative engine, or (engine None) over an embedding checkpoint's embedder."""
     app = FastAPI(title="qwen3-scratch", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = Serving(engine, tokenizer, model_name, defaults)
+    app.state.serving = Serving(engine, tokenizer, model_name, defaults, embedder)
     add_error_handlers(app)
     if api_key is not None:
         app.middleware("http")(require_api_key(api_key))
     app.include_router(router)
+    app.include_router(embeddings_router)
     return app
 
 
@@ -90,6 +99,8 @@ async def health():
 @router.get("/metrics")
 async def metrics(request: Request):
     engine = request.app.state.serving.engine
+    if engine is None:  # an embedding server runs no engine: nothing to report yet
+        return Response("", media_type=CONTENT_TYPE_LATEST)
     return Response(engine.metrics.text(engine.engine), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -97,7 +108,7 @@ async def metrics(request: Request):
 async def models(request: Request):
     s: Serving = request.app.state.serving
     card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "qwen3-scratch",
-            "max_model_len": s.engine.engine.context}  # fmt: skip
+            "max_model_len": s.engine.engine.context if s.engine else s.embedder.context}  # fmt: skip
     return {"object": "list", "data": [card]}
 
 
@@ -105,6 +116,7 @@ async def models(request: Request):
 async def completions(body: api.CompletionRequest, request: Request):
     s: Serving = request.app.state.serving
     s.check_model(body.model)
+    s.check_generative()
     body.check_fields("completions")
     prompts = [s.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
     max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
@@ -139,6 +151,7 @@ def completion_usage(prompts, choices, echo_only: bool) -> dict:
 async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     s: Serving = request.app.state.serving
     s.check_model(body.model)
+    s.check_generative()
     body.check_fields("chat")
     structured = chat_structure(body, s.tokenizer)
     tools = body.tools if body.tool_choice != "none" else None
@@ -213,7 +226,7 @@ async def stream_chat(steps, choices: list[ChatChoice], request_id, model, promp
 
 
 # the request fields an engine error may name, for its `param`
-KNOWN_FIELDS = set(CHAT) | set(CHAT_VLLM) | set(COMPLETIONS)
+KNOWN_FIELDS = set(CHAT) | set(CHAT_VLLM) | set(COMPLETIONS) | set(EMBEDDINGS)
 
 
 def add_error_handlers(app: FastAPI) -> None:
