@@ -146,3 +146,19 @@ def test_llm_n_choices_are_the_seeded_single_runs(llm):
     singles = [llm.generate("Once", SamplingParams(seed=5 + i, temperature=1.0, max_tokens=6))[0] for i in range(3)]
     assert [c.index for c in many.outputs] == [0, 1, 2]
     assert [c.token_ids for c in many.outputs] == [s.outputs[0].token_ids for s in singles]
+
+
+def test_the_cli_flags_map_to_the_same_fields_and_errors_name_the_flag():
+    from qwen3_scratch.cli.flags import params_from_args
+    from qwen3_scratch.cli.generate import build_parser
+    from qwen3_scratch.errors import Qwen3Error
+
+    args = build_parser().parse_args(["--presence-penalty", "1", "--frequency-penalty", "0.5", "--repetition-penalty",
+                                      "1.2", "--min-tokens", "3", "--bad-word", "x", "--logit-bias", "100=-100"])  # fmt: skip
+    params = params_from_args(args)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_tokens,
+            params.bad_words, params.logit_bias) == (1.0, 0.5, 1.2, 3, ["x"], {100: -100.0})  # fmt: skip
+    for flags, flag in ((["--repetition-penalty", "0"], "--repetition-penalty"), (["--logit-bias", "7=300"], "--logit-bias"),
+                        (["--logit-bias", "seven"], "--logit-bias")):  # fmt: skip
+        with pytest.raises(Qwen3Error, match=f"^{flag} must be"):
+            params_from_args(build_parser().parse_args(flags))

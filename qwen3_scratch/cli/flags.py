@@ -18,7 +18,9 @@ from qwen3_scratch.errors import Qwen3Error, printable
 
 # SamplingParams field -> the flag that sets it, so an error names what the user typed
 FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
-         "seed": "--seed", "max_tokens": "--max-new-tokens"}  # fmt: skip
+         "seed": "--seed", "max_tokens": "--max-new-tokens", "presence_penalty": "--presence-penalty",
+         "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
+         "min_tokens": "--min-tokens", "bad_words": "--bad-word", "logit_bias": "--logit-bias"}  # fmt: skip
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -50,6 +52,17 @@ def sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, help="drop tokens under min-p x the top token's probability, in [0, 1) "
                    "(default: generation_config.json, else 0)")  # fmt: skip
     p.add_argument("--seed", type=int, help="seed the sampler, 0 to 2**64 - 1, for repeatable text (default: random)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's: minus this for every token already generated, -2 to 2 (default %(default)s)")  # fmt: skip
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's: minus this times each token's count so far, -2 to 2 (default %(default)s)")  # fmt: skip
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="tokens of the prompt or output divided (or times) by this; 1 is off (default %(default)s)")  # fmt: skip
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many tokens (default %(default)s)")
+    p.add_argument("--bad-word", action="append", default=[], metavar="WORD",
+                   help="never generate this word (repeatable)")  # fmt: skip
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100 to 100) to token ID's logit (repeatable)")  # fmt: skip
 
 
 def params_from_args(args):
@@ -58,9 +71,24 @@ def params_from_args(args):
     from qwen3_scratch.sampling.params import SamplingParams, check_fields  # imports torch
 
     given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                 seed=args.seed, max_tokens=args.max_new_tokens)  # fmt: skip
+                 seed=args.seed, max_tokens=args.max_new_tokens, presence_penalty=args.presence_penalty,
+                 frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                 min_tokens=args.min_tokens, bad_words=args.bad_word or None,
+                 logit_bias=parse_logit_bias(args.logit_bias) or None)  # fmt: skip
     check_fields(given, FLAGS)
     return SamplingParams(**given, ignore_eos=getattr(args, "ignore_eos", False))
+
+
+def parse_logit_bias(items: list[str]) -> dict:
+    """["100=-100", ...] -> {100: -100.0}; a malformed item is one line naming the flag."""
+    bias = {}
+    for item in items:
+        token, _, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise Qwen3Error(f"--logit-bias must be ID=BIAS (e.g. 100=-100), got {printable(repr(item), 80)}") from None
+    return bias
 
 
 def run_cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
