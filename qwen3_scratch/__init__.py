@@ -36,6 +36,7 @@ _LAZY = {
     "Pipeline": ".generation.pipeline",
     "LLM": ".engine.llm",
     "SamplingParams": ".sampling.params",
+    "StructuredOutputsParams": ".sampling.structured",
     "Tokenizer": ".text.tokenizer",
     "Qwen3": ".model.qwen3",
     "Qwen3Config": ".model.config",
