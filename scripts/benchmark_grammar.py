@@ -90,7 +90,8 @@ class LLGuidance:
         self.vocab_size = vocab_size
 
     def compile(self, schema):
-        grammar = self.ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+        options = {"whitespace_flexible": False}
+        grammar = self.ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
         self.ll.LLMatcher(self.tokenizer, grammar)  # compiling happens when a matcher is made: time it here too
         return grammar
 

@@ -7,7 +7,9 @@ Two small local tasks (their data is written here, no download):
     context + continuation as token ids with echo=true, logprobs=1, max_tokens=1 to /v1/completions and
     sums the echoed prompt logprobs of the continuation (the request every API harness makes);
   - `qwen3_gen`, a generate-until task: `local-chat-completions` sends the chat messages to
-    /v1/chat/completions, greedy, with lm-eval's stop strings.
+    /v1/chat/completions, greedy, 24 tokens, with a repetition penalty of 1.5 (vLLM's extension on the
+    server, transformers' generate argument on `hf`): a random model's greedy text is one token repeated,
+    which the penalty turns into text worth comparing, and it checks the penalty against transformers'.
 The same tasks run through lm-eval's `hf` model on the same checkpoint (transformers, float32). The
 script compares every sample: log-likelihoods within 1e-4, the greedy flag equal, the generated texts
 equal, and exits 1 if any differs. lm-eval is a test/benchmark dependency only (pip install lm-eval).
@@ -58,9 +60,10 @@ output_type: generate_until
 doc_to_text: "{{{{context}}}}"
 doc_to_target: "{{{{choices[answer]}}}}"
 generation_kwargs:
-  until: ["\\n\\n"]
+  until: ["<|no stop|>"]
   max_gen_toks: 24
   do_sample: false
+  repetition_penalty: 1.5
 metric_list:
   - metric: exact_match
 """

@@ -76,7 +76,8 @@ def test_the_embeddings_route_serves_the_openai_client(folder, llm):
         floats = client.embeddings.create(model="tiny-embedding", input=TEXTS, encoding_format="float")
         assert [d.index for d in floats.data] == [0, 1, 2]
         torch.testing.assert_close(torch.tensor([d.embedding for d in floats.data]), theirs, rtol=1e-5, atol=1e-5)
-        default = client.embeddings.create(model="tiny-embedding", input=TEXTS[0], dimensions=8)  # the SDK asks for base64
+        # with no encoding_format the SDK asks for base64 and decodes it
+        default = client.embeddings.create(model="tiny-embedding", input=TEXTS[0], dimensions=8)
         torch.testing.assert_close(torch.tensor(default.data[0].embedding), F.normalize(theirs[0, :8], dim=0),
                                    rtol=1e-5, atol=1e-5)  # fmt: skip
         raw = httpx.post(f"{url}/v1/embeddings", json={"model": "tiny-embedding", "input": [[5, 6, 7]],

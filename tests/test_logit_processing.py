@@ -153,12 +153,14 @@ def test_the_cli_flags_map_to_the_same_fields_and_errors_name_the_flag():
     from qwen3_scratch.cli.generate import build_parser
     from qwen3_scratch.errors import Qwen3Error
 
-    args = build_parser().parse_args(["--presence-penalty", "1", "--frequency-penalty", "0.5", "--repetition-penalty",
-                                      "1.2", "--min-tokens", "3", "--bad-word", "x", "--logit-bias", "100=-100"])  # fmt: skip
+    args = build_parser().parse_args(["--presence-penalty", "1", "--frequency-penalty", "0.5",
+                                      "--repetition-penalty", "1.2", "--min-tokens", "3", "--bad-word", "x",
+                                      "--logit-bias", "100=-100"])  # fmt: skip
     params = params_from_args(args)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_tokens,
             params.bad_words, params.logit_bias) == (1.0, 0.5, 1.2, 3, ["x"], {100: -100.0})  # fmt: skip
-    for flags, flag in ((["--repetition-penalty", "0"], "--repetition-penalty"), (["--logit-bias", "7=300"], "--logit-bias"),
-                        (["--logit-bias", "seven"], "--logit-bias")):  # fmt: skip
+    cases = ((["--repetition-penalty", "0"], "--repetition-penalty"), (["--logit-bias", "7=300"], "--logit-bias"),
+             (["--logit-bias", "seven"], "--logit-bias"))  # fmt: skip
+    for flags, flag in cases:
         with pytest.raises(Qwen3Error, match=f"^{flag} must be"):
             params_from_args(build_parser().parse_args(flags))

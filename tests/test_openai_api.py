@@ -62,7 +62,8 @@ def test_the_table_covers_every_field_of_the_installed_sdks_request_types():
 
 def walk(route: str):
     table, sdk = (CHAT, SDK_CHAT) if route == "chat" else (COMPLETIONS, SDK_COMPLETIONS)
-    return [(route, name) for name in sorted(sdk)] + [(route, name) for name in sorted(CHAT_VLLM if route == "chat" else VLLM)]
+    extensions = CHAT_VLLM if route == "chat" else VLLM
+    return [(route, name) for name in sorted(sdk)] + [(route, name) for name in sorted(extensions)]
 
 
 @pytest.mark.parametrize("route, name", walk("chat") + walk("completions"))
@@ -70,7 +71,8 @@ def test_every_request_field_is_implemented_or_refused_naming_it(client, route, 
     table = {**CHAT, **CHAT_VLLM} if route == "chat" else {**COMPLETIONS, **VLLM}
     field = table[name]
     base = {"model": MODEL, "max_tokens": 2, "temperature": 0}
-    base.update({"messages": [{"role": "user", "content": "hi"}], **NO_THINKING} if route == "chat" else {"prompt": "hi"})
+    chat = {"messages": [{"role": "user", "content": "hi"}], **NO_THINKING}
+    base.update(chat if route == "chat" else {"prompt": "hi"})
     body = {**base, name: field.example}
     if name == "top_logprobs":
         body["logprobs"] = True
@@ -125,9 +127,11 @@ def test_chat_logprobs_equal_the_models_log_softmax_whole_and_streamed(llm, clie
         assert entry.logprob == pytest.approx(expected[step, token].item(), abs=1e-4)
         top = expected[step].topk(3)
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
-        assert [bytes(t.bytes) for t in entry.top_logprobs] == [token_bytes(llm.tokenizer, i) for i in top.indices.tolist()]
+        top_bytes = [token_bytes(llm.tokenizer, i) for i in top.indices.tolist()]
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == top_bytes
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9, seed=3,
-                                            logprobs=True, top_logprobs=3, stream=True, extra_body=NO_THINKING)  # fmt: skip
+                                            logprobs=True, top_logprobs=3, stream=True,
+                                            extra_body=NO_THINKING)  # fmt: skip
     streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
 
@@ -288,8 +292,8 @@ def test_json_object_and_a_json_schema_stream_valid_json(llm, client):
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
           "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}},
          {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
-          "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}}, "required": ["a", "b"],
-          "additionalProperties": False}}}]  # fmt: skip
+          "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
+          "required": ["a", "b"], "additionalProperties": False}}}]  # fmt: skip
 
 
 def test_forced_tool_choice_makes_valid_calls_on_random_weights(client):
@@ -298,7 +302,8 @@ def test_forced_tool_choice_makes_valid_calls_on_random_weights(client):
                                            tool_choice={"type": "function", "function": {"name": "add"}})  # fmt: skip
     (call,) = named.choices[0].message.tool_calls
     arguments = json.loads(call.function.arguments)
-    assert call.function.name == "add" and set(arguments) == {"a", "b"} and named.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "add" and set(arguments) == {"a", "b"}
+    assert named.choices[0].finish_reason == "tool_calls"
     required = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=120,
                                               temperature=1.0, seed=2, tool_choice="required")  # fmt: skip
     calls = required.choices[0].message.tool_calls
@@ -318,7 +323,8 @@ def test_vllm_structured_outputs_choice_and_regex(client):
                                       extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"})  # fmt: skip
     assert len(regex.choices[0].text) == 6 and regex.choices[0].text[3] == "-"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_json": {"type": "nonsense"}})
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                  extra_body={"guided_json": {"type": "nonsense"}})  # fmt: skip
     assert "not a valid json" in info.value.message
 
 

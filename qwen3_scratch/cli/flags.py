@@ -53,11 +53,11 @@ def sampling_flags(p: argparse.ArgumentParser) -> None:
                    "(default: generation_config.json, else 0)")  # fmt: skip
     p.add_argument("--seed", type=int, help="seed the sampler, 0 to 2**64 - 1, for repeatable text (default: random)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="OpenAI's: minus this for every token already generated, -2 to 2 (default %(default)s)")  # fmt: skip
+                   help="minus this for every token already generated, -2 to 2 (default %(default)s)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="OpenAI's: minus this times each token's count so far, -2 to 2 (default %(default)s)")  # fmt: skip
+                   help="minus this times each token's count so far, -2 to 2 (default %(default)s)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="tokens of the prompt or output divided (or times) by this; 1 is off (default %(default)s)")  # fmt: skip
+                   help="prompt and output tokens divided (or times) by this; 1 is off (default %(default)s)")
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many tokens (default %(default)s)")
     p.add_argument("--bad-word", action="append", default=[], metavar="WORD",
                    help="never generate this word (repeatable)")  # fmt: skip

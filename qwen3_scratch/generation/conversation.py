@@ -25,8 +25,8 @@ from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.model.kv_cache import KVCache, attended_slots, attention_mask
 from qwen3_scratch.model.qwen3 import Qwen3
 from qwen3_scratch.sampling.logits import NON_FINITE, sample
-from qwen3_scratch.sampling.processors import LogitsProcessing, LoopProcessing
 from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.sampling.processors import LogitsProcessing, LoopProcessing
 from qwen3_scratch.text.chat_parser import Delta, StreamParser, prompt_opens_thinking
 from qwen3_scratch.text.stop import AnswerStop, TextState
 from qwen3_scratch.text.tokenizer import Tokenizer

@@ -166,7 +166,8 @@ def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generato
     argmax of NaNs is a meaningless id (often 0, forever after). Marking the row here, on the device,
     costs no host sync; the consumer, which reads every step's tokens anyway, stops on it.
     """
-    # -inf is a banned token (a grammar, a bias, min_tokens), not a fault; NaN and +inf are, as is a row with nothing left
+    # -inf is a banned token (a grammar, a bias, min_tokens), not a fault; NaN and +inf are, and so is a row
+    # with nothing left
     finite = ~(logits.isnan() | logits.isposinf()).any(dim=-1) & torch.isfinite(logits).any(dim=-1)  # (B,)
     if params.greedy:
         # first index on ties: deterministic. Widening to fp32 is exact and leaves the order alone; on a

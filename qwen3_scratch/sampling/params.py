@@ -89,7 +89,8 @@ def check_count(value, label: str) -> None:
 
 
 def check_bad_words(value, label: str = "bad_words") -> None:
-    ok = isinstance(value, list) and len(value) <= MAX_LOGIT_BIAS and all(isinstance(w, str) and w.strip() for w in value)
+    ok = isinstance(value, list) and len(value) <= MAX_LOGIT_BIAS
+    ok = ok and all(isinstance(w, str) and w.strip() for w in value)
     require(ok, label, f"a list of at most {MAX_LOGIT_BIAS} non-blank strings", value)
 
 
@@ -168,7 +169,8 @@ class SamplingParams:
         check_fields({f.name: getattr(self, f.name) for f in fields(self)})
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             require(False, "min_tokens", f"at most max_tokens ({self.max_tokens})", self.min_tokens)
-        self.stop, self.stop_token_ids, self.bad_words = list(self.stop), list(self.stop_token_ids), list(self.bad_words)
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        self.bad_words = list(self.bad_words)
 
     def with_defaults(self, generation_config: dict) -> "SamplingParams":
         """A copy whose unset sampling fields are the checkpoint's (generation_config.json, as
@@ -205,5 +207,5 @@ class SamplingParams:
 
 
 def token_id_keys(bias: dict) -> dict:
-    """logit_bias with its keys as token ids: JSON sends "100" for id 100; other keys are left for the check to refuse."""
+    """logit_bias with token-id keys: JSON sends "100" for id 100; other keys are left for the check to refuse."""
     return {int(k) if isinstance(k, str) and k.isdigit() and len(k) <= 12 else k: v for k, v in bias.items()}

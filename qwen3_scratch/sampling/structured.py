@@ -39,7 +39,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
 
     def kinds(self) -> list[str]:
-        return [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        return [k for k in kinds if getattr(self, k) not in (None, False)]
 
 
 def check_structured_outputs(value, label: str = "structured_outputs") -> None:

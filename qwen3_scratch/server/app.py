@@ -169,7 +169,8 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
         return sse(stream_chat(steps, choices, request_id, s.model_name, len(prompt_ids), body.include_usage))
     async for out in steps:
         choices[out.index].push(out)
-    return api.chat_response(request_id, s.model_name, [c.whole() for c in choices], chat_usage(len(prompt_ids), choices))
+    used = chat_usage(len(prompt_ids), choices)
+    return api.chat_response(request_id, s.model_name, [c.whole() for c in choices], used)
 
 
 def chat_usage(prompt_tokens: int, choices: list[ChatChoice]) -> dict:
@@ -188,8 +189,8 @@ def event(body: dict) -> str:
 
 async def stream_completion(steps, choices, request_id, model, prompts, include_usage, echo_only):
     def chunk(choice, text, reason=None, logprobs=None):
-        return event(api.completion_body(request_id, model, [api.completion_choice(choice.index, text, reason, logprobs)],
-                                         chunk=True))  # fmt: skip
+        body = api.completion_choice(choice.index, text, reason, logprobs)
+        return event(api.completion_body(request_id, model, [body], chunk=True))
 
     echoed: dict[int, int] = {}  # choice index -> characters of echoed prompt text sent before its own text
     async for p, out in steps:  # leaving this loop early (client gone) closes `steps`, which aborts the request
@@ -244,7 +245,8 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Qwen3Error)
     async def engine_refused(request, error: Qwen3Error):
         first = str(error).split(" ", 1)[0]  # "logit_bias token ids must be ...": name the field
-        return reply(400, str(error), "invalid_request_error", "invalid_value", first if first in KNOWN_FIELDS else None)
+        param = first if first in KNOWN_FIELDS else None
+        return reply(400, str(error), "invalid_request_error", "invalid_value", param)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request, error: RequestValidationError):

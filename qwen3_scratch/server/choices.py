@@ -29,7 +29,8 @@ class ChatChoice:
         if out.finished:
             deltas += self.parser.finish()
         bodies = []
-        for delta in self.shown.pieces(deltas, finished=out.finished):  # the answer held back while a stop string may form
+        # the answer is held back while a stop string may be forming
+        for delta in self.shown.pieces(deltas, finished=out.finished):
             bodies.append(api.delta_body(delta, self.calls))
             self.calls += delta.kind == "tool_call"
         self.scored += out.logprobs or []

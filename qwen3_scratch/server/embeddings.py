@@ -69,7 +69,8 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     s.embedder.check(ids, body.dimensions)
     async with _lock:
         vectors = await run_in_threadpool(s.embedder.embed_ids, ids, body.dimensions)
-    data = [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)} for i, v in enumerate(vectors)]
+    data = [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
+            for i, v in enumerate(vectors)]  # fmt: skip
     tokens = sum(len(x) for x in ids)
     return {"object": "list", "data": data, "model": s.model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip

@@ -90,7 +90,7 @@ def tool_call_grammar(functions: list[dict], many: bool, tokenizer: Tokenizer) -
         schema = {"type": "object", "properties": {"name": {"const": function.get("name")},
                   "arguments": function.get("parameters") or {"type": "object"}},
                   "required": ["name", "arguments"], "additionalProperties": False,
-                  "x-guidance": {"whitespace_flexible": False}}  # compact, as sampling/structured.py says why  # fmt: skip
+                  "x-guidance": {"whitespace_flexible": False}}  # compact: sampling/structured.py  # fmt: skip
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
     return "\n".join(rules)
 
