@@ -339,3 +339,27 @@ def test_readme_lists_every_field_of_the_table_and_the_embeddings_route_covers_t
     missing = [name for name in {**CHAT, **CHAT_VLLM, **COMPLETIONS, **VLLM, **EMBEDDINGS} if f"`{name}`" not in readme]
     assert not missing, f"README's server section does not list {missing}"
     assert sdk_fields(embedding_create_params.EmbeddingCreateParams) - set(EMBEDDINGS) == set()
+
+
+def test_vllms_prompt_logprobs_come_back_and_refusals_hold_when_streaming(llm, client):
+    ids = llm.tokenizer.encode("Hello there friend")
+    reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 2})  # fmt: skip
+    scored = reply.choices[0].model_extra["prompt_logprobs"]
+    expected = model_logprobs(llm, ids)
+    assert scored[0] is None and len(scored) == len(ids)
+    for i in range(1, len(ids)):
+        assert scored[i][str(ids[i])]["logprob"] == pytest.approx(expected[i - 1, ids[i]].item(), abs=1e-4)
+    for extra in ({"prompt_logprobs": 1}, {"best_of": 3}, {"max_token": 3}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True, extra_body=extra)
+        assert info.value.param == next(iter(extra))
+
+
+def test_llm_takes_structured_outputs_through_sampling_params(llm):
+    from qwen3_scratch import StructuredOutputsParams
+
+    spec = StructuredOutputsParams(choice=["red", "green", "blue"])
+    outs = llm.generate(["Pick a colour:"] * 3, [_params(seed=s, temperature=1.0, max_tokens=8,
+                                                        structured_outputs=spec) for s in range(3)])  # fmt: skip
+    assert all(o.outputs[0].text in ("red", "green", "blue") and o.outputs[0].finish_reason == "stop" for o in outs)

@@ -33,6 +33,7 @@ from .choices import ChatChoice, CompletionChoice, merge
 from .embeddings import EMBEDDINGS
 from .embeddings import router as embeddings_router
 from .fields import CHAT, CHAT_VLLM, COMPLETIONS, RefusedField
+from .logprobs import vllm_prompt_logprobs
 from .structured import chat_structure, from_vllm_fields
 
 
@@ -169,8 +170,11 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
         return sse(stream_chat(steps, choices, request_id, s.model_name, len(prompt_ids), body.include_usage))
     async for out in steps:
         choices[out.index].push(out)
-    used = chat_usage(len(prompt_ids), choices)
-    return api.chat_response(request_id, s.model_name, [c.whole() for c in choices], used)
+    response = api.chat_response(request_id, s.model_name, [c.whole() for c in choices],
+                                 chat_usage(len(prompt_ids), choices))  # fmt: skip
+    if params.prompt_logprobs is not None:  # vLLM's extension, beside OpenAI's fields
+        response["prompt_logprobs"] = vllm_prompt_logprobs(s.tokenizer, choices[0].out.seq.sampling.prompt_logprobs)
+    return response
 
 
 def chat_usage(prompt_tokens: int, choices: list[ChatChoice]) -> dict:

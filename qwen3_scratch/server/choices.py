@@ -12,7 +12,7 @@ from qwen3_scratch.text.stop import AnswerStop
 from qwen3_scratch.text.tokenizer import Tokenizer
 
 from . import protocol as api
-from .logprobs import chat_logprobs, completion_logprobs
+from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 
 
 class ChatChoice:
@@ -88,7 +88,10 @@ class CompletionChoice:
                 logprobs = generated if logprobs is None else {k: logprobs[k] + generated[k] for k in logprobs}
             text += self.text
         reason = self.out.finish_reason if keep_generated else "length"
-        return api.completion_choice(self.index, text, reason, logprobs)
+        body = api.completion_choice(self.index, text, reason, logprobs)
+        if self.out.seq.params.prompt_logprobs is not None:  # vLLM's extension, beside OpenAI's fields
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, self.out.seq.sampling.prompt_logprobs)
+        return body
 
 
 async def merge(streams):

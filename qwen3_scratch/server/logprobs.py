@@ -53,3 +53,20 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], scored: list
         top.setdefault(text, _value(lp.logprob))
         body["top_logprobs"].append(top)
     return body
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, scored: list[TokenLogprob | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` extension: per prompt token, {id: {"logprob", "rank", "decoded_token"}} for the
+    token itself and its top alternatives; None for the first token."""
+    out = []
+    for lp in scored:
+        if lp is None:
+            out.append(None)
+            continue
+        entries = {str(lp.token_id): {"logprob": _value(lp.logprob), "rank": lp.rank,
+                                      "decoded_token": tokenizer.decode([lp.token_id])}}  # fmt: skip
+        for rank, (token_id, value) in enumerate(lp.top, start=1):
+            entries.setdefault(str(token_id), {"logprob": _value(value), "rank": rank,
+                                               "decoded_token": tokenizer.decode([token_id])})  # fmt: skip
+        out.append(entries)
+    return out
