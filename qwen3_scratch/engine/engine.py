@@ -8,8 +8,10 @@
 
 One `step()`: the scheduler picks this step's chunks (scheduler.py), the runner runs them through
 the model over the paged cache (model_runner.py, paged_cache.py), each sequence that reached its
-newest token samples one more with its own settings and generator, and sequences that hit EOS, a
-stop string, max_tokens or the context end are retired at once, returning their blocks.
+newest token samples one more with its own settings and generator (sampler.py: grammar, logit
+processing, logprobs), and sequences that hit EOS, a stop string, max_tokens or the context end are
+retired at once, returning their blocks. A request with n > 1 is n sequences under one request id,
+told apart by their index; the second and later wait for the first one's prompt to be cached.
 
 The tokenizer is used only to turn each sequence's tokens into text (for stop strings and
 streaming); scheduling and the model never see text.

@@ -1,8 +1,11 @@
 """OpenAI's HTTP API over the engine: FastAPI routes, the engine's thread, Prometheus metrics.
 
 async_engine.py (the engine on its own thread, fed by asyncio handlers), protocol.py (OpenAI's
-request and response bodies), app.py (the routes: JSON -> engine -> JSON or server-sent events) and
-metrics.py. Needs the `serve` extra (FastAPI, uvicorn, prometheus_client).
+request and response bodies), fields.py (every OpenAI request field: implemented, accepted or refused),
+app.py (the routes: JSON -> engine -> JSON or server-sent events), choices.py (a response's n choices,
+whole or streamed), logprobs.py (OpenAI's two logprobs shapes), structured.py (response_format and
+tool_choice -> a grammar), embeddings.py (/v1/embeddings) and metrics.py. Needs the `serve` extra
+(FastAPI, uvicorn, prometheus_client, llguidance).
 
 May import: engine, text, sampling, the package root. Imported by: cli (qwen3-serve).
 """
