@@ -132,11 +132,6 @@ class Matcher:
         if not self.matcher.consume_token(token_id):  # cannot happen for a token drawn under the mask
             raise GenerationError(f"the grammar refused token {token_id}: {printable(self.matcher.get_error(), 200)}")
 
-    @property
-    def finished(self) -> bool:
-        """The grammar is complete and allows nothing more (EOS included, it was taken)."""
-        return self.matcher.is_stopped()
-
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits (B, V), bitmask (B, W) int32 -> logits with every token whose bit is 0 set to -inf."""
