@@ -60,9 +60,9 @@ def sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt and output tokens divided (or times) by this; 1 is off (default %(default)s)")
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many tokens (default %(default)s)")
     p.add_argument("--bad-word", action="append", default=[], metavar="WORD",
-                   help="never generate this word (repeatable)")  # fmt: skip
+                   help="never generate this word (repeatable; default: none)")  # fmt: skip
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
-                   help="add BIAS (-100 to 100) to token ID's logit (repeatable)")  # fmt: skip
+                   help="add BIAS (-100 to 100) to token ID's logit (repeatable; default: none)")  # fmt: skip
 
 
 def params_from_args(args):
