@@ -179,9 +179,10 @@ class Conversation:
         try:
             logits = self.cache.prefill(prompt, reserve=n_new)  # (1, V)
             for i in range(n_new):
-                if process is not None:
-                    logits = process(logits)
-                token = int(sample(logits, params.logits_filter, generator))  # the host sync streaming needs anyway
+                finite = None
+                if process is not None:  # the model's logits are checked before processing bans tokens with -inf
+                    finite, logits = torch.isfinite(logits).all(dim=-1), process(logits)
+                token = int(sample(logits, params.logits_filter, generator, finite))  # the host sync streaming needs
                 if process is not None:
                     process.push(torch.tensor([token], device=logits.device))
                 if token == NON_FINITE:

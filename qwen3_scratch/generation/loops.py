@@ -171,9 +171,10 @@ def generate_tokens(
         process = LoopProcessing(processing, batch.ids, model.config.vocab_size, eos_ids, batch.valid)
     logits = loop.start()
     for i in range(n_new):
-        if process is not None:
-            logits = process(logits)
-        tokens = sample(logits, sampling, generator)  # (B,)
+        finite = None
+        if process is not None:  # the model's logits are checked before processing bans tokens with -inf
+            finite, logits = torch.isfinite(logits).all(dim=-1), process(logits)
+        tokens = sample(logits, sampling, generator, finite)  # (B,)
         if process is not None:
             process.push(tokens)
         yield torch.where(finished, -1, tokens)

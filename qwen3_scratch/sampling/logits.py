@@ -149,7 +149,8 @@ def filter_logits(logits: torch.Tensor, params: LogitsFilter) -> torch.Tensor:
     return min_p_filter(logits, params.min_p)
 
 
-def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generator | None = None,
+           finite: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Draw one token per row: (B, V) logits -> (B,) long ids on the logits' device.
 
     `generator` must live on the logits' device; None uses torch's global RNG.
@@ -161,14 +162,13 @@ def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generato
     and it compiles into a graph. Filtered tokens have p = 0 and can never win. (Under
     torch.compile(fullgraph=True) pass generator=None: dynamo cannot trace a Generator argument.)
 
-    A row whose logits hold NaN or +inf (or have no finite entry at all), or whose probabilities are not
-    all finite, gets NON_FINITE instead of a token: the
+    A row whose logits (or probabilities) are not all finite gets NON_FINITE instead of a token: the
     argmax of NaNs is a meaningless id (often 0, forever after). Marking the row here, on the device,
-    costs no host sync; the consumer, which reads every step's tokens anyway, stops on it.
+    costs no host sync; the consumer, which reads every step's tokens anyway, stops on it. `finite` (B,)
+    bool replaces that check when the caller made it on the model's own logits, before logit processing
+    set banned tokens to -inf on purpose (sampling/processors.py).
     """
-    # -inf is a banned token (a grammar, a bias, min_tokens), not a fault; NaN and +inf are, and so is a row
-    # with nothing left
-    finite = ~(logits.isnan() | logits.isposinf()).any(dim=-1) & torch.isfinite(logits).any(dim=-1)  # (B,)
+    finite = torch.isfinite(logits).all(dim=-1) if finite is None else finite  # (B,)
     if params.greedy:
         # first index on ties: deterministic. Widening to fp32 is exact and leaves the order alone; on a
         # CPU torch's argmax over 151936 bf16 logits takes ~0.57 ms, over their fp32 copy ~0.19 ms.
