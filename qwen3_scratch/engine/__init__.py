@@ -2,8 +2,9 @@
 
 block_manager.py (blocks, reference counts, the prefix cache), paged_cache.py (the pool and the view
 the model's attention reads through), scheduler.py (`Sequence`, `Scheduler`: one step's work),
-model_runner.py (one step -> forwards -> logits), engine.py (`LLMEngine`: add, step, sample, retire)
-and llm.py (`LLM`, the offline API in vLLM's shape).
+model_runner.py (one step -> forwards -> logits), engine.py (`LLMEngine`: add, step, sample, retire),
+faults.py (a fault fails its own request, or the engine when shared state broke) and llm.py (`LLM`, the
+offline API in vLLM's shape).
 
 May import: model, checkpoint, text, sampling, the package root. Imported by: server, cli.
 The simple loops (generation/) are its sibling: neither imports the other.

@@ -13,8 +13,13 @@ stop string, max_tokens or the context end are retired at once, returning their 
 
 The tokenizer is used only to turn each sequence's tokens into text (for stop strings and
 streaming); scheduling and the model never see text.
+
+A fault in one request's forward pass, sampling or text fails that request alone (a StepOutput with
+finish_reason "error" and the exception); a fault in scheduling, shared by all, propagates: the
+engine cannot go on (faults.py says where that line runs, and why).
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +32,12 @@ from qwen3_scratch.text.stop import TextState
 from qwen3_scratch.text.tokenizer import Tokenizer
 
 from .block_manager import BlockManager
+from .faults import Failed, ForwardHealth, each_alone
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
-from .scheduler import Scheduler, Sequence
+from .scheduler import Chunk, ScheduledBatch, Scheduler, Sequence
+
+log = logging.getLogger("qwen3_scratch.engine")
 
 
 @dataclass
@@ -40,8 +48,9 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str  # text made final by this step (held back while it could still begin a stop string)
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", or "error" (then `error` says why)
     seq: Sequence
+    error: BaseException | None = None  # the fault that failed this request alone
 
 
 class LLMEngine:
@@ -65,6 +74,8 @@ class LLMEngine:
         self.texts: dict[str, TextState] = {}
         self.num_preemptions = 0  # over the engine's life (metrics)
         self.num_aborted = 0
+        self.num_failed = 0  # requests failed by a fault of their own (faults.py)
+        self.forward_health = ForwardHealth()
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; it joins the running batch at a coming step. Bad requests raise GenerationError."""
@@ -93,6 +104,8 @@ class LLMEngine:
             )
         if any(not 0 <= i < self.model.config.vocab_size for i in prompt_ids):
             raise GenerationError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
+        if any(not 0 <= i < self.model.config.vocab_size for i in params.stop_token_ids):
+            raise GenerationError(f"stop_token_ids must be in [0, {self.model.config.vocab_size}), the vocabulary")
         # The most tokens one sequence can ever hold: the context, or the whole pool if that is smaller.
         capacity = min(self.context, self.blocks.num_blocks * self.blocks.block_size)
         if params.max_tokens is None:  # "as many as fit"
@@ -123,17 +136,43 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()  # shared state: a fault here propagates (the engine is dead)
         self.num_preemptions += len(batch.preempted)
         if batch.empty:
             return []
-        logits = self.runner.run(batch)
         chunks = batch.decodes + batch.prefills
-        for chunk in chunks:
+        rows = each_alone(lambda some: self._forward(batch, some), chunks)  # logits (V,), None, or Failed
+        self.forward_health.record(rows)
+        outputs = [self.fail(chunk.seq, row.error) for chunk, row in zip(chunks, rows) if isinstance(row, Failed)]
+        ran = [(chunk, row) for chunk, row in zip(chunks, rows) if not isinstance(row, Failed)]
+        for chunk, _ in ran:
             self.scheduler.computed(chunk)
-        sampling = [chunk.seq for chunk in chunks if chunk.samples]
-        tokens = self.sample(sampling, [logits[id(seq)] for seq in sampling])
-        return [self.append(seq, token) for seq, token in zip(sampling, tokens)]
+        sampling = [(chunk.seq, row) for chunk, row in ran if chunk.samples]
+        tokens = each_alone(lambda some: self.sample([seq for seq, _ in some], [row for _, row in some]), sampling)
+        for (seq, _), token in zip(sampling, tokens):
+            outputs.append(self.fail(seq, token.error) if isinstance(token, Failed) else self._append_or_fail(seq, token))
+        return outputs
+
+    def _forward(self, batch: ScheduledBatch, chunks: list[Chunk]) -> list[torch.Tensor | None]:
+        """Run some of batch's chunks, each the way the batch would (decodes together, prompts alone)."""
+        part = ScheduledBatch([c for c in batch.decodes if c in chunks], [c for c in batch.prefills if c in chunks])
+        logits = self.runner.run(part)
+        return [logits.get(id(chunk.seq)) for chunk in chunks]
+
+    def _append_or_fail(self, seq: Sequence, token: int) -> StepOutput:
+        try:
+            return self.append(seq, token)
+        except Exception as error:
+            return self.fail(seq, error)
+
+    def fail(self, seq: Sequence, error: BaseException) -> StepOutput:
+        """Retire seq after a fault of its own; its blocks return to the pool, the others go on."""
+        log.error("request %s failed inside the engine; the other requests go on", seq.request_id, exc_info=error)
+        self.scheduler.finish(seq, "error")
+        self.sequences.pop(seq.request_id, None)
+        self.texts.pop(seq.request_id, None)
+        self.num_failed += 1
+        return StepOutput(seq.request_id, [], "", True, "error", seq, error)
 
     def sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
         """One token per sequence. Rows with the same filter share its work; each draws with its own

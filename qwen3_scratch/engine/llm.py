@@ -138,6 +138,10 @@ class LLM:
         texts = {request_id: "" for request_id in outputs}
         while self.engine.has_unfinished():
             for step in self.engine.step():
+                if step.error is not None:  # a fault of this request's own: say so rather than return less
+                    for request_id in outputs:
+                        self.engine.abort(request_id)
+                    raise step.error
                 texts[step.request_id] += step.new_text
                 if step.finished:
                     out = outputs[step.request_id]

@@ -6,10 +6,18 @@ uses, so reasoning and tool calls come out alike on both paths.
 
 Every bad request gets OpenAI's error body `{"error": {"message", "type", "code"}}`: 400 for values
 the engine refuses (and malformed JSON), 404 for an unknown model or route, 422 for a body of the
-wrong shape, 401 for a missing or wrong API key. Nothing reaches the client as a traceback.
+wrong shape, 401 for a missing or wrong API key, 413/408/400 for a body too big, too slow or too deep
+(limits.py, before any route). A fault of the server's is 500 for the one request it hit, 503 when the
+engine is dead or shutting down (/health then says so too), 504 past --request-timeout; nothing
+reaches the client as a traceback, and the log holds it under the id the error message names. After
+a stream has begun, the same error body comes as its last event, before `data: [DONE]`.
+
+The API key guards /v1 only: /health, /metrics and /openapi.json stay open, as vLLM's do, for the
+load balancers and Prometheus scrapers that carry no key (they hold no prompt or output text).
 """
 
 import json
+import logging
 import secrets
 from dataclasses import dataclass
 
@@ -19,14 +27,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from qwen3_scratch.errors import Qwen3Error
+from qwen3_scratch.errors import GenerationError, Qwen3Error
 from qwen3_scratch.sampling.params import SamplingParams
 from qwen3_scratch.text.chat_parser import StreamParser, prompt_opens_thinking
+from qwen3_scratch.text.limits import MAX_BYTES_PER_TOKEN, check_fits
 from qwen3_scratch.text.stop import AnswerStop
 from qwen3_scratch.text.tokenizer import Tokenizer
 
 from . import protocol as api
-from .async_engine import AsyncEngine
+from . import schema
+from .async_engine import AsyncEngine, ServingFault
+from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, RequestLimits
+
+log = logging.getLogger("qwen3_scratch.server")
 
 
 class ServerError(Exception):
@@ -48,13 +61,29 @@ class Serving:
             raise ServerError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                               "invalid_request_error", "model_not_found")  # fmt: skip
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """A prompt given as text -> its ids; one that cannot fit is refused before it is tokenized
+        whole, by the CLI's rules (text/limits.py)."""
+        check_fits(text, "prompt", self.tokenizer.encode, self.engine.engine.context)
+        return self.tokenizer.encode(text)
+
+    def check_chat_size(self, messages: list[dict]) -> None:
+        """Refuse a chat far over the context before its template is rendered and tokenized whole."""
+        limit = self.engine.engine.context * MAX_BYTES_PER_TOKEN
+        size = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages)
+        if size > limit:
+            raise GenerationError(f"the messages hold {size:,} characters, more than the model's context of "
+                                  f"{self.engine.engine.context} tokens can hold at {MAX_BYTES_PER_TOKEN} per token")  # fmt: skip
+
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, defaults: SamplingParams,
-              api_key: str | None = None) -> FastAPI:  # fmt: skip
-    app = FastAPI(title="qwen3-scratch", docs_url=None, redoc_url=None, openapi_url=None)
+              api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              body_timeout: float = BODY_TIMEOUT) -> FastAPI:  # fmt: skip
+    app = FastAPI(title="qwen3-scratch", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.serving = Serving(engine, tokenizer, model_name, defaults)
     add_error_handlers(app)
-    if api_key is not None:
+    app.add_middleware(RequestLimits, max_bytes=max_body_bytes, body_timeout=body_timeout)
+    if api_key is not None:  # added last, so it runs first: no body is read for a client without the key
         app.middleware("http")(require_api_key(api_key))
     app.include_router(router)
     return app
@@ -77,18 +106,25 @@ def require_api_key(api_key: str):
 router = APIRouter()
 
 
-@router.get("/health")
-async def health():
+@router.get("/health", responses=schema.HEALTH_RESPONSES)
+async def health(request: Request):
+    """200 while the engine runs; 503 once it died or the server is shutting down, so a load balancer
+    stops sending requests here (and a supervisor, seeing the process exit, restarts it)."""
+    engine: AsyncEngine = request.app.state.serving.engine
+    if not engine.alive:
+        return JSONResponse({"status": "dead"}, status_code=503)
+    if engine.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     return {"status": "ok"}
 
 
-@router.get("/metrics")
+@router.get("/metrics", responses=schema.METRICS_RESPONSES)
 async def metrics(request: Request):
     engine = request.app.state.serving.engine
     return Response(engine.metrics.text(engine.engine), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=schema.MODELS_RESPONSES)
 async def models(request: Request):
     s: Serving = request.app.state.serving
     card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "qwen3-scratch",
@@ -96,15 +132,15 @@ async def models(request: Request):
     return {"object": "list", "data": [card]}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=schema.COMPLETION_RESPONSES)
 async def completions(body: api.CompletionRequest, request: Request):
     s: Serving = request.app.state.serving
     s.check_model(body.model)
-    prompt_ids = s.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    prompt_ids = s.prompt_ids(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
     params = body.params(s.defaults, body.max_tokens if body.max_tokens is not None else 16)  # OpenAI's default
     s.engine.check(prompt_ids, params)
     request_id = api.new_id("cmpl")
-    steps = s.engine.generate(prompt_ids, params)
+    steps = s.engine.generate(prompt_ids, params, request_id)
     if body.stream:
         return sse(stream_completion(steps, request_id, s.model_name, len(prompt_ids), body.include_usage))
     text, out = "", None
@@ -114,18 +150,20 @@ async def completions(body: api.CompletionRequest, request: Request):
     return api.completion_body(request_id, s.model_name, text, out.finish_reason, used)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=schema.CHAT_RESPONSES)
 async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     s: Serving = request.app.state.serving
     s.check_model(body.model)
-    tools = body.tools if body.tool_choice != "none" else None
-    prompt_ids = s.tokenizer.chat_ids(body.chat_messages(), enable_thinking=body.enable_thinking, tools=tools)
+    tools = body.template_tools()
+    messages = body.chat_messages()
+    s.check_chat_size(messages)
+    prompt_ids = s.tokenizer.chat_ids(messages, enable_thinking=body.enable_thinking, tools=tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.params(s.defaults, max_tokens)  # None: up to the context, as vLLM does for chat
     s.engine.check(prompt_ids, params)
     parser = StreamParser(s.tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, s.tokenizer))
     request_id = api.new_id("chatcmpl")
-    steps = s.engine.generate(prompt_ids, params)
+    steps = s.engine.generate(prompt_ids, params, request_id)
     if body.stream:
         events = stream_chat(steps, parser, AnswerStop(params.stop), request_id, s.model_name, len(prompt_ids),
                              body.include_usage)  # fmt: skip
@@ -143,7 +181,18 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
 
 
 def sse(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(ending_in_errors(events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+async def ending_in_errors(events):
+    """The events; a fault after the stream began (the status is sent) comes as a last error event."""
+    try:
+        async for item in events:
+            yield item
+    except ServingFault as error:
+        yield event(api.error_body(str(error), error.type, error.code))
+        yield "data: [DONE]\n\n"
 
 
 def event(body: dict) -> str:
@@ -202,6 +251,13 @@ def add_error_handlers(app: FastAPI) -> None:
     async def http_error(request, error: HTTPException):
         return reply(error.status_code, str(error.detail), "invalid_request_error", error.status_code)
 
+    @app.exception_handler(ServingFault)
+    async def serving_fault(request, error: ServingFault):
+        return reply(error.status, str(error), error.type, error.code)
+
     @app.exception_handler(Exception)
-    async def unexpected(request, error: Exception):  # a bug: say so without leaking a traceback
-        return reply(500, f"internal error ({type(error).__name__})", "internal_server_error", 500)
+    async def unexpected(request, error: Exception):  # a bug: say so without leaking a traceback, log it
+        error_id = api.new_id("error")
+        log.error("%s: %s %s failed", error_id, request.method, request.url.path, exc_info=error)
+        return reply(500, f"internal error ({type(error).__name__}); the server log has it under {error_id}",
+                     "internal_server_error", 500)  # fmt: skip

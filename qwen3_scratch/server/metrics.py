@@ -28,6 +28,8 @@ class ServingMetrics:
         self.prompt_tokens = Counter("qwen3_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("qwen3_generation_tokens", "Output tokens generated", registry=r)
         self.aborted = Gauge("qwen3_num_requests_aborted", "Requests whose client went away", registry=r)
+        self.failed = Counter("qwen3_num_requests_failed", "Requests failed by a fault inside the engine (HTTP 500)",
+                              registry=r)  # fmt: skip
         self.preemptions = Counter("qwen3_num_preemptions", "Requests preempted for KV memory", registry=r)
         self.ttft = Histogram("qwen3_time_to_first_token_seconds", "Request arrival to its first output token",
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip

@@ -10,10 +10,12 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.sampling.params import FILTER_FIELDS, SamplingParams
+
+from .messages import ChatMessage, Tool
 
 
 class SamplingFields(BaseModel):
@@ -46,10 +48,15 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    @field_validator("stream_options")
+    @classmethod
+    def _usage_flag_is_bool(cls, value):
+        return check_flags(value, ("include_usage", "continuous_usage_stats"))
+
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage]  # roles and shapes checked (messages.py)
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # {"enable_thinking": false}, as vLLM takes it
@@ -58,20 +65,30 @@ class ChatCompletionRequest(SamplingFields):
     def enable_thinking(self) -> bool:
         return bool((self.chat_template_kwargs or {}).get("enable_thinking", True))
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _thinking_flag_is_bool(cls, value):
+        return check_flags(value, ("enable_thinking",))
+
     def chat_messages(self) -> list[dict]:
         """Messages for the template: content given as a list of text parts becomes one string."""
-        messages = []
-        for message in self.messages:
-            content = message.get("content")
-            if isinstance(content, list):
-                texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-                message = {**message, "content": "".join(texts)}
-            messages.append(message)
-        return messages
+        return [message.as_dict() for message in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools for the template, as plain dicts; None when there are none or tool_choice is "none"."""
+        return [tool.as_dict() for tool in self.tools] if self.tools and self.tool_choice != "none" else None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]
+
+
+def check_flags(options: dict | None, names: tuple[str, ...]) -> dict | None:
+    """options unchanged, or ValueError (HTTP 422) if one of `names` in it is not true or false."""
+    for name in names:
+        if options is not None and not isinstance(options.get(name, False), bool):
+            raise ValueError(f"{name} must be true or false")
+    return options
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,104 @@
+"""The server as a process: uvicorn serving the app, the limits that live below it, and an exit status.
+
+- Slow headers. A client must send a request's headers within `read_timeout` seconds of opening the
+  connection (or of the previous response, on a kept-alive one), else the connection is closed.
+  uvicorn bounds only the idle time between requests, and restarts that clock on every byte, so a
+  client sending one header byte every few seconds would hold a connection forever. (The body's own
+  time and size are bounded in limits.py.)
+- SIGTERM drains the server: new requests get 503 and /health turns 503, requests in flight run to
+  their end for up to `shutdown_grace` seconds, the rest are then aborted (their blocks freed), and
+  the process exits 0. Ctrl-C does the same and exits 130, like the other commands.
+- A dead engine (async_engine.py) stops the server at once, every request in flight already failed
+  with 503, and the process exits 1, for a supervisor (systemd, Kubernetes) to restart it.
+"""
+
+import logging
+import signal
+import threading
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .async_engine import AsyncEngine
+
+EXIT_ENGINE_DIED = 1
+log = logging.getLogger("qwen3_scratch.server")
+
+
+def header_timeout_protocol(seconds: float) -> type:
+    """uvicorn's HTTP/1.1 protocol, with a clock on each request's headers."""
+
+    class H11WithHeaderTimeout(H11Protocol):
+        _header_clock = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._start_header_clock()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._start_header_clock()  # the next request on this connection has its own clock
+
+        def data_received(self, data: bytes):
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the headers are in
+                self._stop_header_clock()
+
+        def connection_lost(self, exc):
+            self._stop_header_clock()
+            super().connection_lost(exc)
+
+        def _start_header_clock(self):
+            self._stop_header_clock()
+            if not self.transport.is_closing():
+                self._header_clock = self.loop.call_later(seconds, self._headers_too_slow)
+
+        def _stop_header_clock(self):
+            if self._header_clock is not None:
+                self._header_clock.cancel()
+                self._header_clock = None
+
+        def _headers_too_slow(self):
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.warning("closing a connection whose request headers took over %g s", seconds)
+                self.transport.close()
+
+    return H11WithHeaderTimeout
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which also tells the engine to refuse new requests once a signal asks it to stop."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.draining = True
+        super().handle_exit(sig, frame)
+
+
+def serve(app, engine: AsyncEngine, host: str, port: int, read_timeout: float, shutdown_grace: float) -> int:
+    """Serve until SIGTERM (exit status 0) or the engine's death (1); Ctrl-C raises KeyboardInterrupt."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", http=header_timeout_protocol(read_timeout),
+                            timeout_graceful_shutdown=shutdown_grace)  # fmt: skip
+    server = DrainingServer(config, engine)
+
+    def engine_died(error: BaseException) -> None:  # on the engine's thread
+        log.critical("the engine died (%r): stopping the server, exit status %d", error, EXIT_ENGINE_DIED)
+        server.should_exit = True
+
+    engine.on_fatal = engine_died
+    if engine.fatal is not None:  # it died before it had someone to tell
+        return EXIT_ENGINE_DIED
+    # uvicorn raises the signal it stopped for again once it has drained; a SIGTERM handled this way is
+    # a clean stop (exit 0), so it is ignored then rather than killing the process.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if in_main else None
+    try:
+        server.run()
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    return EXIT_ENGINE_DIED if engine.fatal is not None else 0

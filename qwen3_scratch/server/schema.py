@@ -1,0 +1,102 @@
+"""The answers of each route, described for the OpenAPI schema FastAPI publishes at /openapi.json.
+
+The routes build their bodies as plain dicts (protocol.py); these classes only describe them, so
+that clients, and the schemathesis fuzzer in the tests, can check every answer against the schema:
+the JSON bodies and their server-sent-event form, and every error status a route can give, each with
+OpenAI's error body. Extra fields are allowed everywhere, as OpenAI adds fields over time.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | int | None
+    param: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, Any] | None = None
+    completion_tokens_details: dict[str, Any] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: Any = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: Any = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "dead", "draining"]
+
+
+def errors(*statuses: int) -> dict:
+    return {status: {"model": ErrorBody} for status in statuses}
+
+
+EVENTS = {"text/event-stream": {"schema": {"type": "string"}}}  # with "stream": true: `data: {chunk}` lines
+# 400 bad value, 401 key, 404 model, 408 slow body, 413 big body, 422 bad shape, 500 a fault of this request's,
+# 503 engine dead or shutting down, 504 past --request-timeout
+GENERATION_ERRORS = errors(400, 401, 404, 408, 413, 422, 500, 503, 504)
+CHAT_RESPONSES = {200: {"model": ChatCompletion, "content": EVENTS}, **GENERATION_ERRORS}
+COMPLETION_RESPONSES = {200: {"model": Completion, "content": EVENTS}, **GENERATION_ERRORS}
+MODELS_RESPONSES = {200: {"model": ModelList}, **errors(401)}
+HEALTH_RESPONSES = {200: {"model": Health}, 503: {"model": Health}}
+METRICS_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
