@@ -44,9 +44,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(checkpoint, num_blocks=64, read_timeout=30.0, max_body_bytes=2**20, request_timeout=None):
+def live_server(checkpoint, num_blocks=64, block_size=16, read_timeout=30.0, max_body_bytes=2**20,
+                request_timeout=None):  # fmt: skip
     """Yields (llm, engine, url): a served tiny model with an API key, its runner a FaultyRunner."""
-    llm = LLM(str(checkpoint), num_blocks=num_blocks)
+    llm = LLM(str(checkpoint), num_blocks=num_blocks, block_size=block_size)
     llm.engine.runner = FaultyRunner(llm.engine.runner)
     engine = AsyncEngine(llm.engine, request_timeout=request_timeout).start()
     app = build_app(engine, llm.tokenizer, MODEL, llm.get_default_sampling_params(), api_key=API_KEY,

@@ -228,8 +228,8 @@ async def stream_chat(steps, parser: StreamParser, shown: AnswerStop, request_id
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    def reply(status: int, message: str, type_: str, code) -> JSONResponse:
-        return JSONResponse(api.error_body(message, type_, code), status_code=status)
+    def reply(status: int, message: str, type_: str, code, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(api.error_body(message, type_, code), status_code=status, headers=headers)
 
     @app.exception_handler(ServerError)
     async def server_error(request, error: ServerError):
@@ -249,7 +249,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
-        return reply(error.status_code, str(error.detail), "invalid_request_error", error.status_code)
+        # its headers too: a 405 says which methods the route takes (Allow)
+        return reply(error.status_code, str(error.detail), "invalid_request_error", error.status_code, error.headers)
 
     @app.exception_handler(ServingFault)
     async def serving_fault(request, error: ServingFault):

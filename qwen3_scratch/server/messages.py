@@ -3,20 +3,22 @@
 A message the chat template cannot place is refused here (HTTP 422, naming the message and the
 field) instead of being dropped or mangled by the template: a role other than system, user,
 assistant and tool (the template would write "<|im_start|>wizard", a turn Qwen3 never saw), content
-that is neither text nor a list of text parts, a tool call without a function name. Unknown extra
-keys pass (clients send `name`, `tool_call_id` and others the template ignores).
+that is neither text nor a list of text parts (only an assistant's may be left out, when it calls
+tools), tool calls outside an assistant message, a tool call without a function name. Each role has
+its own class, so the published schema (/openapi.json) says all this too. Unknown extra keys pass
+(clients send `name` and others the template ignores).
 
 `as_dict()` gives the template what it reads: plain dicts, a list of text parts joined into one
 string, unset fields left out.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Shape(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # strict: 5 is not the text "5"
 
     def as_dict(self) -> dict:
         return self.model_dump(exclude_none=True)
@@ -38,26 +40,52 @@ class ToolCall(Shape):
     function: FunctionCall
 
 
-class ChatMessage(Shape):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None  # an assistant turn's reasoning, as vLLM returns it
-    reasoning: str | None = None
-
+class Message(Shape):
     @model_validator(mode="after")
-    def _placeable(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content (only an assistant's may be null, with tool_calls)")
-        if self.tool_calls and self.role != "assistant":
+    def _tool_calls_only_from_the_assistant(self):
+        if self.role != "assistant" and (self.model_extra or {}).get("tool_calls"):
             raise ValueError(f"only assistant messages carry tool_calls, not {self.role} ones")
         return self
 
     def as_dict(self) -> dict:
         message = super().as_dict()
-        if isinstance(self.content, list):
+        if isinstance(getattr(self, "content", None), list):
             message["content"] = "".join(part.text for part in self.content)
         return message
+
+
+class SystemMessage(Message):
+    role: Literal["system"]
+    content: str | list[TextPart]
+
+
+class UserMessage(Message):
+    role: Literal["user"]
+    content: str | list[TextPart]
+
+
+class AssistantMessage(Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None  # None (or absent) only with tool_calls
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # its reasoning, as vLLM returns it
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(Message):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str | None = None
+
+
+# One of the four, told apart by `role`; any other role is refused by name.
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
 class FunctionDefinition(Shape):

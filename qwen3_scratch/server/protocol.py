@@ -8,9 +8,9 @@ one, and the one Qwen3's chat template reads back from history).
 
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.sampling.params import FILTER_FIELDS, SamplingParams
@@ -19,7 +19,9 @@ from .messages import ChatMessage, Tool
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI fields we do not implement (user, logit_bias...) pass
+    # OpenAI fields we do not implement (user, logit_bias...) pass. Strict: `true` is not the token id 1,
+    # nor "5" a seed; numbers are still numbers whether written 1 or 1.0 (for float fields)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -55,7 +57,7 @@ class SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]  # roles and shapes checked (messages.py)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]  # roles and shapes checked (messages.py)
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = None
@@ -80,7 +82,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
 
 
 def check_flags(options: dict | None, names: tuple[str, ...]) -> dict | None:

@@ -70,6 +70,31 @@ class Completion(BaseModel):
     usage: Usage | None
 
 
+class ChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, Any]
+    finish_reason: str | None
+    logprobs: Any = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -91,12 +116,35 @@ def errors(*statuses: int) -> dict:
     return {status: {"model": ErrorBody} for status in statuses}
 
 
-EVENTS = {"text/event-stream": {"schema": {"type": "string"}}}  # with "stream": true: `data: {chunk}` lines
+def inline(model: type[BaseModel]) -> dict:
+    """model's JSON schema with its $defs written in place, to nest inside another schema."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: resolve(value) for key, value in node.items()}
+        return [resolve(item) for item in node] if isinstance(node, list) else node
+
+    return resolve(schema)
+
+
+def events(chunk: type[BaseModel]) -> dict:
+    """With "stream": true: server-sent events, each `data: <a chunk as JSON>`; after a fault once the
+    stream began, an error body; last, `data: [DONE]` (Open API 3.1: the schema describes one event)."""
+    payload = {"anyOf": [inline(chunk), inline(ErrorBody)]}
+    data = {"anyOf": [{"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json",
+                                            "contentSchema": payload}]}  # fmt: skip
+    return {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}
+
+
 # 400 bad value, 401 key, 404 model, 408 slow body, 413 big body, 422 bad shape, 500 a fault of this request's,
 # 503 engine dead or shutting down, 504 past --request-timeout
 GENERATION_ERRORS = errors(400, 401, 404, 408, 413, 422, 500, 503, 504)
-CHAT_RESPONSES = {200: {"model": ChatCompletion, "content": EVENTS}, **GENERATION_ERRORS}
-COMPLETION_RESPONSES = {200: {"model": Completion, "content": EVENTS}, **GENERATION_ERRORS}
+CHAT_RESPONSES = {200: {"model": ChatCompletion, "content": events(ChatCompletionChunk)}, **GENERATION_ERRORS}
+COMPLETION_RESPONSES = {200: {"model": Completion, "content": events(CompletionChunk)}, **GENERATION_ERRORS}
 MODELS_RESPONSES = {200: {"model": ModelList}, **errors(401)}
 HEALTH_RESPONSES = {200: {"model": Health}, 503: {"model": Health}}
 METRICS_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
