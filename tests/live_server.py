@@ -74,6 +74,11 @@ def all_blocks_free(llm) -> bool:
     return blocks.num_free == blocks.num_blocks and not llm.engine.has_unfinished()
 
 
+def nothing_held(llm, engine) -> bool:
+    """No request left anywhere: every block in the pool, no sequence, text, stream or timing entry."""
+    return all_blocks_free(llm) and not (llm.engine.sequences or llm.engine.texts or engine.streams or engine.timing)
+
+
 def wait_until(condition, seconds=30.0) -> bool:
     """Poll condition() until it holds: a bound for a broken server, not a speed check."""
     deadline = time.monotonic() + seconds

@@ -8,13 +8,14 @@ answers a normal request and /health tells the truth. Engine faults are injected
 
 import asyncio
 import json
+import select
 import socket
 import time
 
 import httpx
 import pytest
 import torch
-from live_server import API_KEY, MODEL, POISON, all_blocks_free, live_server, wait_until
+from live_server import API_KEY, MODEL, POISON, all_blocks_free, live_server, nothing_held, wait_until
 from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch.generation.loops import generate_tokens
@@ -151,6 +152,24 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(served):
     assert_still_serving(url)
 
 
+def test_a_body_that_never_ends_is_answered_413_and_cut_off(served):
+    url = served[2]
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                  "Transfer-Encoding: chunked\r\n\r\n".encode())  # fmt: skip
+        chunk = b"%x\r\n%s\r\n" % (2**16, b"a" * 2**16)
+        answer, started, cut = b"", time.monotonic(), False
+        try:  # the answer comes while the client still sends; the server drops what follows, then cuts it off
+            while time.monotonic() - started < 10 * READ_TIMEOUT:
+                s.sendall(chunk)
+                if select.select([s], [], [], 0.02)[0]:
+                    answer += s.recv(4096)
+        except ConnectionError:
+            cut = True
+        assert answer.startswith(b"HTTP/1.1 413 ") and cut, (answer[:40], cut)
+    assert_still_serving(url)
+
+
 def test_a_client_that_sends_its_headers_slowly_is_cut_off(served):
     url = served[2]
     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as s:
@@ -269,6 +288,11 @@ def test_a_dead_engine_fails_requests_in_flight_and_new_ones_at_once_and_health_
         for stream in (False, True):
             response = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": stream}, timeout=1)
             assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_after_every_hostile_request_above_nothing_is_held(served):
+    llm, engine, _ = served
+    assert wait_until(lambda: nothing_held(llm, engine)), "a request left state behind"
 
 
 def test_a_draining_server_refuses_new_requests_with_503_and_says_so_on_health(served):

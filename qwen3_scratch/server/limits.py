@@ -13,8 +13,8 @@ Then it hands the body on, unchanged, to the app. Every check runs at C speed (b
 bytes.translate, numpy), so a body at the size limit costs milliseconds. The slow sending of the
 headers themselves is bounded one level down, in the HTTP protocol (process.py).
 
-Errors are OpenAI's error body, like every other error of the server; the connection is closed after
-a 413 or 408, so a client cannot go on sending a body nobody will read.
+Errors are OpenAI's error body, like every other error of the server. The rest of a body refused
+unread is dropped as it arrives, for a bounded time (process.py), so the client reads the answer.
 """
 
 import asyncio
@@ -142,7 +142,5 @@ async def reply(send, error: BodyError) -> None:
     body = json.dumps({"error": {"message": str(error), "type": "invalid_request_error", "code": error.code,
                                  "param": None}}).encode()  # fmt: skip
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if error.status in (408, 413):
-        headers.append((b"connection", b"close"))  # the rest of the body is never read
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -3,8 +3,10 @@
 - Slow headers. A client must send a request's headers within `read_timeout` seconds of opening the
   connection (or of the previous response, on a kept-alive one), else the connection is closed.
   uvicorn bounds only the idle time between requests, and restarts that clock on every byte, so a
-  client sending one header byte every few seconds would hold a connection forever. (The body's own
-  time and size are bounded in limits.py.)
+  client sending one header byte every few seconds would hold a connection forever. The same clock
+  bounds the rest of a body the server answered without reading (a 413): uvicorn drops those bytes
+  as they come, so that the client, still sending, then reads the answer rather than a reset
+  connection. (The time and size of a body the app reads are bounded in limits.py.)
 - SIGTERM drains the server: new requests get 503 and /health turns 503, requests in flight run to
   their end for up to `shutdown_grace` seconds, the rest are then aborted (their blocks freed), and
   the process exits 0. Ctrl-C does the same and exits 130, like the other commands.
@@ -16,7 +18,6 @@ import logging
 import signal
 import threading
 
-import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -27,41 +28,45 @@ log = logging.getLogger("qwen3_scratch.server")
 
 
 def header_timeout_protocol(seconds: float) -> type:
-    """uvicorn's HTTP/1.1 protocol, with a clock on each request's headers."""
+    """uvicorn's HTTP/1.1 protocol, with a clock on each request's arrival."""
 
     class H11WithHeaderTimeout(H11Protocol):
-        _header_clock = None
+        _clock = None
+        _clock_cycle = None  # the request/response cycle when the clock started: the next one must begin
 
         def connection_made(self, transport):
             super().connection_made(transport)
-            self._start_header_clock()
+            self._start_clock()
 
         def on_response_complete(self):
             super().on_response_complete()
-            self._start_header_clock()  # the next request on this connection has its own clock
+            # The next request must arrive in time, and so must the rest of this one's body if the
+            # answer came first (a 413): uvicorn reads and drops it, so the client sees the answer.
+            self._start_clock()
 
         def data_received(self, data: bytes):
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # the headers are in
-                self._stop_header_clock()
+            if self.cycle is not self._clock_cycle:  # a new request's headers are in
+                self._stop_clock()
 
         def connection_lost(self, exc):
-            self._stop_header_clock()
+            self._stop_clock()
             super().connection_lost(exc)
 
-        def _start_header_clock(self):
-            self._stop_header_clock()
+        def _start_clock(self):
+            self._stop_clock()
             if not self.transport.is_closing():
-                self._header_clock = self.loop.call_later(seconds, self._headers_too_slow)
+                self._clock_cycle = self.cycle
+                self._clock = self.loop.call_later(seconds, self._too_slow)
 
-        def _stop_header_clock(self):
-            if self._header_clock is not None:
-                self._header_clock.cancel()
-                self._header_clock = None
+        def _stop_clock(self):
+            if self._clock is not None:
+                self._clock.cancel()
+                self._clock = None
 
-        def _headers_too_slow(self):
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                log.warning("closing a connection whose request headers took over %g s", seconds)
+        def _too_slow(self):
+            if self.cycle is self._clock_cycle and not self.transport.is_closing():
+                log.warning("closing a connection whose next request took over %g s to arrive", seconds)
                 self.transport.close()
 
     return H11WithHeaderTimeout
