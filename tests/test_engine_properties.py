@@ -184,3 +184,15 @@ def test_a_fault_in_scheduling_is_the_engines_and_propagates(tiny):
     engine.scheduler.schedule = broken
     with pytest.raises(RuntimeError, match="books"):
         engine.step()
+
+
+def test_the_offline_llm_raises_a_requests_fault_and_leaves_nothing_behind(tmp_path):
+    from qwen3_scratch.engine.llm import LLM
+
+    llm = LLM(str(make_tiny_checkpoint(tmp_path / "tiny")), num_blocks=16, block_size=4)
+    inject_faults(llm.engine, forward={"1"}, sampling=set())  # LLM numbers its requests 0, 1, ...
+    with pytest.raises(RuntimeError, match="injected forward fault"):
+        llm.generate([[5, 6, 7], [8, 9], [10]], SamplingParams(temperature=0, max_tokens=4))
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 16, "the others were aborted, not kept"
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out.outputs[0].token_ids) == 4, "the next call runs as usual"
