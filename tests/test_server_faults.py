@@ -234,6 +234,23 @@ def test_a_fault_in_one_requests_forward_fails_it_alone_while_the_others_finish_
     assert_still_serving(url)
 
 
+def test_a_bug_in_a_route_after_its_stream_began_ends_the_stream_with_an_error_event(served, monkeypatch):
+    from qwen3_scratch.server import app
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug in the route")
+
+    monkeypatch.setattr(app.AnswerStop, "pieces", broken)
+    streamed = post(served[2], "/v1/chat/completions", chat(stream=True))
+    events = [line for line in streamed.text.splitlines() if line]
+    assert streamed.status_code == 200 and events[-1] == "data: [DONE]" and "Traceback" not in streamed.text, events
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "internal_server_error" and "KeyError" in error["message"]
+    monkeypatch.undo()
+    assert wait_until(lambda: all_blocks_free(served[0]))
+    assert_still_serving(served[2])
+
+
 def test_a_request_past_its_deadline_gets_504_and_frees_its_blocks(served):
     llm, engine, url = served
     engine.request_timeout = 0.3

@@ -193,6 +193,15 @@ async def ending_in_errors(events):
     except ServingFault as error:
         yield event(api.error_body(str(error), error.type, error.code))
         yield "data: [DONE]\n\n"
+    except Qwen3Error as error:
+        yield event(api.error_body(str(error), "invalid_request_error", "invalid_value"))
+        yield "data: [DONE]\n\n"
+    except Exception as error:  # a bug: logged under an id, as the `unexpected` handler does
+        error_id = api.new_id("error")
+        log.error("%s: a stream failed", error_id, exc_info=error)
+        message = f"internal error ({type(error).__name__}); the server log has it under {error_id}"
+        yield event(api.error_body(message, "internal_server_error", 500))
+        yield "data: [DONE]\n\n"
 
 
 def event(body: dict) -> str:
