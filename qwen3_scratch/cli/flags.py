@@ -92,13 +92,14 @@ def parse_logit_bias(items: list[str]) -> dict:
 
 
 def run_cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
-    """Parse argv and run body(args): a Qwen3Error is one line and exit 2, Ctrl-C is exit 130, quietly."""
+    """Parse argv and run body(args): a Qwen3Error is one line and exit 2, Ctrl-C is exit 130, quietly.
+    body may return an exit status of its own (the server's, when its engine died)."""
     try:
-        body(parser.parse_args(argv))
+        status = body(parser.parse_args(argv))
     except Qwen3Error as e:
         print(f"{prog}: error: {printable(e, limit=2000)}", file=sys.stderr)  # one line, however it was built
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    return 0
+    return status or 0

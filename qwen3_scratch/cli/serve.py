@@ -4,12 +4,15 @@ Loads the checkpoint (LLM), starts the engine thread (AsyncEngine), serves the F
 (server/app.py) with uvicorn on 127.0.0.1:8000 unless told otherwise. An embedding checkpoint
 (Qwen3-Embedding) is served at /v1/embeddings instead. Each flag maps to one parameter.
 Like the other commands: bad input is one line on stderr and exit 2, Ctrl-C exits 130, quietly.
+SIGTERM drains the server and exits 0; a dead engine exits 1, for a supervisor to restart it
+(server/process.py).
 """
 
 import argparse
 import sys
 
 from qwen3_scratch.errors import Qwen3Error
+from qwen3_scratch.server.limits import BODY_TIMEOUT, MAX_BODY_BYTES  # plain numbers: no FastAPI needed yet
 
 from .flags import OneLineParser, model_flags, run_cli
 
@@ -29,15 +32,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens computed per step at most (default %(default)s)")  # fmt: skip
+    p.add_argument("--request-timeout", type=float,
+                   help="seconds a request may take, arrival to last token; later it is aborted with 504 (default: none)")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="largest request body; larger ones get 413 unread (default %(default)s)")  # fmt: skip
+    p.add_argument("--read-timeout", type=float, default=BODY_TIMEOUT,
+                   help="seconds a client may take to send a request's headers, and again its body (default %(default)s)")  # fmt: skip
+    p.add_argument("--shutdown-grace", type=float, default=20.0,
+                   help="on SIGTERM, seconds requests in flight may take to finish before they are aborted (default %(default)s)")  # fmt: skip
     return p
 
 
 def load(args: argparse.Namespace):
     """The LLM the flags describe (checked first, then loaded)."""
-    for flag in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+    for flag in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise Qwen3Error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    for flag in ("request_timeout", "read_timeout", "shutdown_grace"):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value < float("inf"):
+            raise Qwen3Error(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value}")
     from qwen3_scratch.engine.llm import LLM  # imports torch
 
     return LLM(args.model, weights_dir=args.weights_dir, local_files_only=args.local_files_only, device=args.device,
@@ -46,11 +61,11 @@ def load(args: argparse.Namespace):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
 
 
-def serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from qwen3_scratch.server.app import build_app
+        from qwen3_scratch.server.process import serve as serve_app
+        from qwen3_scratch.server.process import serve_without_engine
     except ImportError as error:
         raise Qwen3Error(f"the server needs FastAPI and uvicorn ({error}): pip install -e \".[serve]\"") from error
     from qwen3_scratch.server.async_engine import AsyncEngine
@@ -59,17 +74,17 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     if llm.is_embedding_model:  # Qwen3-Embedding: /v1/embeddings only, no engine thread, no KV pool
         print("embedding checkpoint: serving /v1/embeddings", file=sys.stderr)
-        uvicorn.run(build_app(None, llm.tokenizer, name, None, api_key=args.api_key, embedder=llm.embedder),
-                    host=args.host, port=args.port, log_level="info")  # fmt: skip
-        return
+        app = build_app(None, llm.tokenizer, name, None, api_key=args.api_key, embedder=llm.embedder,
+                        max_body_bytes=args.max_body_bytes, body_timeout=args.read_timeout)  # fmt: skip
+        return serve_without_engine(app, args.host, args.port, args.read_timeout)
     blocks = llm.engine.blocks
     print(f"KV pool: {blocks.num_blocks} blocks x {blocks.block_size} tokens = {blocks.num_blocks * blocks.block_size} "
           f"token slots (context {llm.engine.context})", file=sys.stderr)  # fmt: skip
-    engine = AsyncEngine(llm.engine).start()
+    engine = AsyncEngine(llm.engine, request_timeout=args.request_timeout).start()
     app = build_app(engine, llm.tokenizer, args.served_model_name or args.model, llm.get_default_sampling_params(),
-                    api_key=args.api_key)  # fmt: skip
+                    api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout=args.read_timeout)  # fmt: skip
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        return serve_app(app, engine, args.host, args.port, args.read_timeout, args.shutdown_grace)
     finally:
         engine.stop()
 

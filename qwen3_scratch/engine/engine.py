@@ -15,8 +15,13 @@ told apart by their index; the second and later wait for the first one's prompt 
 
 The tokenizer is used only to turn each sequence's tokens into text (for stop strings and
 streaming); scheduling and the model never see text.
+
+A fault in one request's forward pass, sampling or text fails that request alone (a StepOutput with
+finish_reason "error" and the exception); a fault in scheduling, shared by all, propagates: the
+engine cannot go on (faults.py says where that line runs, and why).
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +37,12 @@ from qwen3_scratch.text.tokenizer import Tokenizer
 
 from . import sampler
 from .block_manager import BlockManager
+from .faults import Failed, ForwardHealth, each_alone
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
-from .scheduler import Scheduler, Sequence
+from .scheduler import Chunk, ScheduledBatch, Scheduler, Sequence
+
+log = logging.getLogger("qwen3_scratch.engine")
 
 
 @dataclass
@@ -45,10 +53,11 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str  # text made final by this step (held back while it could still begin a stop string)
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", or "error" (then `error` says why)
     seq: Sequence
     index: int = 0  # which of the request's n choices (each finishes on its own)
     logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked for logprobs
+    error: BaseException | None = None  # the fault that failed this choice alone (finish_reason "error")
 
 
 class LLMEngine:
@@ -73,6 +82,8 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self.num_preemptions = 0  # over the engine's life (metrics)
         self.num_aborted = 0
+        self.num_failed = 0  # requests failed by a fault of their own (faults.py)
+        self.forward_health = ForwardHealth()
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request: params.n sequences, which join the running batch at a coming step, each
@@ -125,6 +136,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= i < vocab for i in prompt_ids):
             raise GenerationError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= i < vocab for i in params.stop_token_ids):
+            raise GenerationError(f"stop_token_ids must be in [0, {vocab}), the model's vocabulary")
         if any(not 0 <= i < vocab for i in (params.logit_bias or {})):
             raise GenerationError(f"logit_bias token ids must be in [0, {vocab}), the model's vocabulary")
         if params.structured_outputs is not None:
@@ -162,19 +175,65 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()  # shared state: a fault here propagates (the engine is dead)
         self.num_preemptions += len(batch.preempted)
         if batch.empty:
             return []
-        logits = self.runner.run(batch)
         chunks = batch.decodes + batch.prefills
-        for chunk in chunks:
+        rows = each_alone(lambda some: self._forward(batch, some), chunks)  # (logits, prompt logits), or Failed
+        self.forward_health.record(rows)
+        outputs = [self.fail(chunk.seq, row.error) for chunk, row in zip(chunks, rows) if isinstance(row, Failed)]
+        sampling = []
+        for chunk, row in zip(chunks, rows):
+            if isinstance(row, Failed):
+                continue
             self.scheduler.computed(chunk)
-            if chunk.seq.wants_prompt_logprobs and id(chunk.seq) in self.runner.prompt_logits:
-                sampler.score_prompt(chunk.seq, self.runner.prompt_logits[id(chunk.seq)], chunk.start)
-        sampling = [chunk.seq for chunk in chunks if chunk.samples]
-        tokens = sampler.sample(sampling, [logits[id(seq)] for seq in sampling])
-        return [self.append(seq, token) for seq, token in zip(sampling, tokens)]
+            logits, prompt_logits = row
+            try:
+                if prompt_logits is not None:
+                    sampler.score_prompt(chunk.seq, prompt_logits, chunk.start)
+            except Exception as error:
+                outputs.append(self.fail(chunk.seq, error))
+                continue
+            if chunk.samples:
+                sampling.append((chunk.seq, logits))
+        tokens = each_alone(lambda some: sampler.sample([seq for seq, _ in some], [row for _, row in some]), sampling)
+        for (seq, row), token in zip(sampling, tokens):
+            outputs.append(self.fail(seq, token.error) if isinstance(token, Failed) else self._record_and_append(seq, row, token))
+        return outputs
+
+    def _forward(self, batch: ScheduledBatch, chunks: list[Chunk]) -> list[tuple]:
+        """Run some of batch's chunks, each the way the batch would (decodes together, prompts alone):
+        per chunk (its next-token logits (V,) or None, its prompt's logits (T, V) if it scores them)."""
+        part = ScheduledBatch([c for c in batch.decodes if c in chunks], [c for c in batch.prefills if c in chunks])
+        logits = self.runner.run(part)
+        prompt = self.runner.prompt_logits  # this run's
+        return [(logits.get(id(chunk.seq)), prompt.get(id(chunk.seq))) for chunk in chunks]
+
+    def _record_and_append(self, seq: Sequence, row: torch.Tensor, token: int) -> StepOutput:
+        try:
+            sampler.record(seq, row, token)
+            return self.append(seq, token)
+        except Exception as error:
+            return self.fail(seq, error)
+
+    def fail(self, seq: Sequence, error: BaseException) -> StepOutput:
+        """Retire one choice after a fault of its own; its blocks return to the pool, the others go on."""
+        log.error("request %s (choice %d) failed inside the engine; the other requests go on", seq.request_id,
+                  seq.index, exc_info=error)  # fmt: skip
+        self.scheduler.finish(seq, "error")
+        self._forget(seq)
+        self.num_failed += 1
+        return StepOutput(seq.request_id, [], "", True, "error", seq, seq.index, error=error)
+
+    def _forget(self, seq: Sequence) -> None:
+        """seq is finished: drop its text, and the request once its last choice is done."""
+        self.texts.pop((seq.request_id, seq.index), None)
+        choices = self.sequences.get(seq.request_id, [])
+        if seq in choices:
+            choices.remove(seq)
+        if not choices:
+            self.sequences.pop(seq.request_id, None)
 
     def append(self, seq: Sequence, token: int) -> StepOutput:
         seq.token_ids.append(token)
@@ -188,12 +247,7 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            self.texts.pop(key, None)
-            choices = self.sequences.get(seq.request_id, [])
-            if seq in choices:
-                choices.remove(seq)
-            if not choices:
-                self.sequences.pop(seq.request_id, None)
+            self._forget(seq)
         piece = text.take(reason is not None, stopped) if text is not None else ""
         logprobs = seq.sampling.logprobs[-1:] if seq.params.logprobs is not None else None
         return StepOutput(seq.request_id, [token], piece, reason is not None, reason, seq, seq.index, logprobs)

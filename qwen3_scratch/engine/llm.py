@@ -184,6 +184,10 @@ class LLM:
         texts = {(request_id, i): "" for request_id, p in zip(outputs, params) for i in range(p.n)}
         while self.engine.has_unfinished():
             for step in self.engine.step():
+                if step.error is not None:  # a fault of this request's own: say so rather than return less
+                    for request_id in outputs:
+                        self.engine.abort(request_id)
+                    raise step.error
                 texts[(step.request_id, step.index)] += step.new_text
                 if step.finished:
                     self._finished(outputs[step.request_id], step, texts[(step.request_id, step.index)])

@@ -57,7 +57,8 @@ def processed_row(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
 
 def sample(seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
     """One token per sequence. Rows with the same filter share its work; each draws with its own
-    generator, so a seeded request gets the same tokens whatever else is in the batch."""
+    generator, so a seeded request gets the same tokens whatever else is in the batch. Nothing but the
+    generators changes: the caller then `record`s each sequence's token."""
     if not seqs:
         return []
     raw = torch.stack(rows)  # (N, V) the model's logits
@@ -78,21 +79,18 @@ def sample(seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
             noise = torch.empty_like(probs[row]).exponential_(generator=seqs[i].generator)
             # the same exponential race as sampling.sample: argmax(p / E) is a draw from p
             tokens[i] = int((probs[row] / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax())
-    record(seqs, raw, tokens)
     return tokens
 
 
-def record(seqs: list[Sequence], raw: torch.Tensor, tokens: list[int]) -> None:
-    """After the draw: advance each grammar, and score the tokens of the sequences that asked for logprobs."""
-    scored = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-    if scored:
-        k = max(seqs[i].params.logprobs for i in scored)
-        for i, lp in zip(scored, score_tokens(raw[scored], [tokens[i] for i in scored], k)):
-            lp.top = lp.top[: seqs[i].params.logprobs]
-            seqs[i].sampling.logprobs.append(lp)
-    for seq, token in zip(seqs, tokens):
-        if seq.sampling is not None and seq.sampling.matcher is not None:
-            seq.sampling.matcher.accept(token)
+def record(seq: Sequence, raw: torch.Tensor, token: int) -> None:
+    """After the draw, for one sequence: score its token if it asked for logprobs (on the model's logits
+    raw (V,)), and advance its grammar. Apart from `sample`, so that a fault here stays with this one
+    sequence and a batch's draw can be retried without advancing anyone's grammar twice."""
+    if seq.params.logprobs is not None:
+        (scored,) = score_tokens(raw[None], [token], seq.params.logprobs)
+        seq.sampling.logprobs.append(scored)
+    if seq.sampling is not None and seq.sampling.matcher is not None:
+        seq.sampling.matcher.accept(token)
 
 
 def score_prompt(seq: Sequence, logits: torch.Tensor, start: int) -> None:

@@ -27,7 +27,7 @@ from qwen3_scratch.sampling.logits import NON_FINITE
 from qwen3_scratch.sampling.params import SamplingParams
 from qwen3_scratch.text.bad_words import bad_words_ids
 from qwen3_scratch.text.chat_parser import Delta
-from qwen3_scratch.text.limits import DEFAULT_BATCH_SIZE, MAX_BYTES_PER_TOKEN, check_prompt, count_tokens_upto
+from qwen3_scratch.text.limits import DEFAULT_BATCH_SIZE, check_fits
 from qwen3_scratch.text.stop import TextState
 from qwen3_scratch.text.tokenizer import Tokenizer
 
@@ -129,16 +129,8 @@ class Pipeline:
         return self.tokenizer.chat_ids(messages, add_generation_prompt=True, enable_thinking=thinking)
 
     def check_fits(self, text: str, what: str = "the prompt") -> None:
-        """Refuse a text that cannot fit the context, cheaply, before it is fully tokenized: first by
-        its length (MAX_BYTES_PER_TOKEN per token at most), then by tokenizing only about as much of
-        it as the context holds. (The exact count, template included, is checked when it runs.)"""
-        context = self.model.config.max_position_embeddings
-        if len(text) > context * MAX_BYTES_PER_TOKEN:
-            raise GenerationError(f"{what} is {len(text):,} characters, more than the model's context of {context} "
-                                  f"tokens can hold at {MAX_BYTES_PER_TOKEN} per token; shorten the prompt")  # fmt: skip
-        check_prompt(text, what)  # UTF-8 (no lone surrogates) and the reading limit, as the CLI's input
-        if len(text) >= context and (n := count_tokens_upto(self.tokenizer.encode, text, context)) >= context:
-            raise GenerationError(f"{what} is at least {n} tokens but the model's context is {context}; shorten the prompt")
+        """Refuse a text that cannot fit the context before it is fully tokenized (text/limits.py)."""
+        check_fits(text, what, self.tokenizer.encode, self.model.config.max_position_embeddings)
 
     def stream_ids(self, prompts: list[list[int]], params: SamplingParams | None = None) -> Iterator[list[int]]:
         """Yield each step's new token per row (-1 for finished rows), timing the run into last_stats

@@ -7,13 +7,21 @@ uses, so reasoning and tool calls come out alike on both paths.
 Every bad request gets OpenAI's error body `{"error": {"message", "type", "code", "param"}}`: 400 for
 values the engine refuses, for fields this server does not implement (fields.py: `param` names the field)
 and for malformed JSON, 404 for an unknown model or route, 422 for a body of the wrong shape, 401 for a
-missing or wrong API key. Nothing reaches the client as a traceback.
+missing or wrong API key, 413/408/400 for a body too big, too slow or too deep (limits.py, before any
+route). A fault of the server's is 500 for the one request it hit, 503 when the engine is dead or
+shutting down (/health then says so too), 504 past --request-timeout; nothing reaches the client as a
+traceback, and the log holds it under the id the error message names. After a stream has begun, the
+same error body comes as its last event, before `data: [DONE]`.
+
+The API key guards /v1 only: /health, /metrics and /openapi.json stay open, as vLLM's do, for the
+load balancers and Prometheus scrapers that carry no key (they hold no prompt or output text).
 
 A request's n choices (and each prompt of a list on /v1/completions) are built by choices.py; logprobs
 are formatted by logprobs.py; response_format and tool_choice become a grammar in structured.py.
 """
 
 import json
+import logging
 import secrets
 from dataclasses import dataclass
 
@@ -23,18 +31,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from qwen3_scratch.errors import Qwen3Error
+from qwen3_scratch.errors import GenerationError, Qwen3Error
 from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.text.limits import MAX_BYTES_PER_TOKEN, check_fits
 from qwen3_scratch.text.tokenizer import Tokenizer
 
 from . import protocol as api
-from .async_engine import AsyncEngine
+from . import schema
+from .async_engine import AsyncEngine, ServingFault
 from .choices import ChatChoice, CompletionChoice, merge
 from .embeddings import EMBEDDINGS
 from .embeddings import router as embeddings_router
 from .fields import CHAT, CHAT_VLLM, COMPLETIONS, RefusedField
+from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, RequestLimits
 from .logprobs import vllm_prompt_logprobs
 from .structured import chat_structure, from_vllm_fields
+
+log = logging.getLogger("qwen3_scratch.server")
 
 
 class ServerError(Exception):
@@ -61,14 +74,30 @@ class Serving:
         if self.engine is None:
             raise RefusedField("model", f"{self.model_name} is an embedding model: it serves /v1/embeddings only")
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """A prompt given as text -> its ids; one that cannot fit is refused before it is tokenized
+        whole, by the CLI's rules (text/limits.py)."""
+        check_fits(text, "prompt", self.tokenizer.encode, self.engine.engine.context)
+        return self.tokenizer.encode(text)
+
+    def check_chat_size(self, messages: list[dict]) -> None:
+        """Refuse a chat far over the context before its template is rendered and tokenized whole."""
+        limit = self.engine.engine.context * MAX_BYTES_PER_TOKEN
+        size = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages)
+        if size > limit:
+            raise GenerationError(f"the messages hold {size:,} characters, more than the model's context of "
+                                  f"{self.engine.engine.context} tokens can hold at {MAX_BYTES_PER_TOKEN} per token")  # fmt: skip
+
 
 def build_app(engine: AsyncEngine | None, tokenizer: Tokenizer, model_name: str, defaults: SamplingParams | None,
-              api_key: str | None = None, embedder=None) -> FastAPI:  # fmt: skip
+              api_key: str | None = None, embedder=None, max_body_bytes: int = MAX_BODY_BYTES,
+              body_timeout: float = BODY_TIMEOUT) -> FastAPI:  # fmt: skip
     """The app over a generative engine, or (engine None) over an embedding checkpoint's embedder."""
-    app = FastAPI(title="qwen3-scratch", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="qwen3-scratch", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.serving = Serving(engine, tokenizer, model_name, defaults, embedder)
     add_error_handlers(app)
-    if api_key is not None:
+    app.add_middleware(RequestLimits, max_bytes=max_body_bytes, body_timeout=body_timeout)
+    if api_key is not None:  # added last, so it runs first: no body is read for a client without the key
         app.middleware("http")(require_api_key(api_key))
     app.include_router(router)
     app.include_router(embeddings_router)
@@ -92,12 +121,19 @@ def require_api_key(api_key: str):
 router = APIRouter()
 
 
-@router.get("/health")
-async def health():
+@router.get("/health", responses=schema.HEALTH_RESPONSES)
+async def health(request: Request):
+    """200 while the engine runs; 503 once it died or the server is shutting down, so a load balancer
+    stops sending requests here (and a supervisor, seeing the process exit, restarts it)."""
+    engine: AsyncEngine | None = request.app.state.serving.engine
+    if engine is not None and not engine.alive:
+        return JSONResponse({"status": "dead"}, status_code=503)
+    if engine is not None and engine.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     return {"status": "ok"}
 
 
-@router.get("/metrics")
+@router.get("/metrics", responses=schema.METRICS_RESPONSES)
 async def metrics(request: Request):
     engine = request.app.state.serving.engine
     if engine is None:  # an embedding server runs no engine: nothing to report yet
@@ -105,7 +141,7 @@ async def metrics(request: Request):
     return Response(engine.metrics.text(engine.engine), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=schema.MODELS_RESPONSES)
 async def models(request: Request):
     s: Serving = request.app.state.serving
     card = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "qwen3-scratch",
@@ -113,13 +149,13 @@ async def models(request: Request):
     return {"object": "list", "data": [card]}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=schema.COMPLETION_RESPONSES)
 async def completions(body: api.CompletionRequest, request: Request):
     s: Serving = request.app.state.serving
     s.check_model(body.model)
     s.check_generative()
     body.check_fields("completions")
-    prompts = [s.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    prompts = [s.prompt_ids(p) if isinstance(p, str) else list(p) for p in body.prompts()]
     max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
     echo_only = body.echo and max_tokens == 0  # OpenAI's way to score a prompt: echo it, generate nothing
     k = body.logprobs
@@ -132,7 +168,7 @@ async def completions(body: api.CompletionRequest, request: Request):
     choices = {(p, i): CompletionChoice(p * params.n + i, s.tokenizer, ids, body.echo, k is not None)
                for p, ids in enumerate(prompts) for i in range(params.n)}  # fmt: skip
     request_id = api.new_id("cmpl")
-    steps = merge([s.engine.generate(ids, params) for ids in prompts])
+    steps = merge([s.engine.generate(ids, params, f"{request_id}-{p}") for p, ids in enumerate(prompts)])
     if body.stream:
         return sse(stream_completion(steps, choices, request_id, s.model_name, prompts, body.include_usage, echo_only))
     async for p, out in steps:
@@ -148,24 +184,25 @@ def completion_usage(prompts, choices, echo_only: bool) -> dict:
     return api.usage(sum(len(ids) for ids in prompts), generated, cached)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=schema.CHAT_RESPONSES)
 async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     s: Serving = request.app.state.serving
     s.check_model(body.model)
     s.check_generative()
     body.check_fields("chat")
     structured = chat_structure(body, s.tokenizer)
-    tools = body.tools if body.tool_choice != "none" else None
+    messages = body.chat_messages()
+    s.check_chat_size(messages)
     # A grammar governs every generated token, so a constrained answer is asked for without reasoning first.
     thinking = body.enable_thinking and structured is None
-    prompt_ids = s.tokenizer.chat_ids(body.chat_messages(), enable_thinking=thinking, tools=tools)
+    prompt_ids = s.tokenizer.chat_ids(messages, enable_thinking=thinking, tools=body.template_tools())
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # max_tokens None: up to the context, as vLLM does for chat
     params = body.params(s.defaults, max_tokens, logprobs=body.logprobs_k(), structured=structured)
     s.engine.check(prompt_ids, params)
     choices = [ChatChoice(i, s.tokenizer, prompt_ids, params.stop, body.logprobs) for i in range(params.n)]
     request_id = api.new_id("chatcmpl")
-    steps = s.engine.generate(prompt_ids, params)
+    steps = s.engine.generate(prompt_ids, params, request_id)
     if body.stream:
         return sse(stream_chat(steps, choices, request_id, s.model_name, len(prompt_ids), body.include_usage))
     async for out in steps:
@@ -184,7 +221,27 @@ def chat_usage(prompt_tokens: int, choices: list[ChatChoice]) -> dict:
 
 
 def sse(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(ending_in_errors(events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+async def ending_in_errors(events):
+    """The events; a fault after the stream began (the status is sent) comes as a last error event."""
+    try:
+        async for item in events:
+            yield item
+    except ServingFault as error:
+        yield event(api.error_body(str(error), error.type, error.code))
+        yield "data: [DONE]\n\n"
+    except Qwen3Error as error:
+        yield event(api.error_body(str(error), "invalid_request_error", "invalid_value"))
+        yield "data: [DONE]\n\n"
+    except Exception as error:  # a bug: logged under an id, as the `unexpected` handler does
+        error_id = api.new_id("error")
+        log.error("%s: a stream failed", error_id, exc_info=error)
+        message = f"internal error ({type(error).__name__}); the server log has it under {error_id}"
+        yield event(api.error_body(message, "internal_server_error", 500))
+        yield "data: [DONE]\n\n"
 
 
 def event(body: dict) -> str:
@@ -235,8 +292,9 @@ KNOWN_FIELDS = set(CHAT) | set(CHAT_VLLM) | set(COMPLETIONS) | set(EMBEDDINGS)
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    def reply(status: int, message: str, type_: str, code, param: str | None = None) -> JSONResponse:
-        return JSONResponse(api.error_body(message, type_, code, param), status_code=status)
+    def reply(status: int, message: str, type_: str, code, param: str | None = None,
+              headers: dict | None = None) -> JSONResponse:  # fmt: skip
+        return JSONResponse(api.error_body(message, type_, code, param), status_code=status, headers=headers)
 
     @app.exception_handler(ServerError)
     async def server_error(request, error: ServerError):
@@ -262,8 +320,17 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
-        return reply(error.status_code, str(error.detail), "invalid_request_error", error.status_code)
+        # its headers too: a 405 says which methods the route takes (Allow)
+        return reply(error.status_code, str(error.detail), "invalid_request_error", error.status_code,
+                     headers=error.headers)  # fmt: skip
+
+    @app.exception_handler(ServingFault)
+    async def serving_fault(request, error: ServingFault):
+        return reply(error.status, str(error), error.type, error.code)
 
     @app.exception_handler(Exception)
-    async def unexpected(request, error: Exception):  # a bug: say so without leaking a traceback
-        return reply(500, f"internal error ({type(error).__name__})", "internal_server_error", 500)
+    async def unexpected(request, error: Exception):  # a bug: say so without leaking a traceback, log it
+        error_id = api.new_id("error")
+        log.error("%s: %s %s failed", error_id, request.method, request.url.path, exc_info=error)
+        return reply(500, f"internal error ({type(error).__name__}); the server log has it under {error_id}",
+                     "internal_server_error", 500)  # fmt: skip

@@ -6,10 +6,18 @@ only reads the config and the pool size). HTTP handlers talk to it through two c
   - one `asyncio.Queue` per request, filled from the engine thread with `call_soon_threadsafe`.
 So a slow client never slows a step, and a step never blocks the event loop. When the engine has
 no work the thread sleeps on the inbox; when it has, it drains the inbox between steps.
+
+Faults: a request the engine fails alone (engine/faults.py) raises RequestFailed in its handler only
+(HTTP 500, its id in the log). Anything that escapes a step kills the engine: every request in flight
+and every new one raises EngineUnavailable at once (HTTP 503), `alive` turns false (so does /health)
+and `on_fatal` runs (the server process then exits non-zero, for a supervisor to restart it). While
+the server drains for shutdown, new requests get EngineUnavailable too. A request that runs past
+`request_timeout` seconds is aborted and raises RequestTimedOut (HTTP 504).
 """
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -21,10 +29,37 @@ from qwen3_scratch.sampling.params import SamplingParams
 
 from .metrics import ServingMetrics
 
+log = logging.getLogger("qwen3_scratch.server")
+
+
+class ServingFault(Exception):
+    """A request the server could not serve, for a reason of the server's, not the request's."""
+
+    status, type, code = 500, "internal_server_error", "internal_error"
+
+
+class RequestFailed(ServingFault):
+    def __init__(self, request_id: str, error: BaseException):
+        super().__init__(f"the engine failed this request ({type(error).__name__}); the other requests go on. "
+                         f"The server log has the details under {request_id}")  # fmt: skip
+
+
+class EngineUnavailable(ServingFault):
+    status, type, code = 503, "service_unavailable", "engine_unavailable"
+
+
+class RequestTimedOut(ServingFault):
+    status, type, code = 504, "timeout", "request_timeout"
+
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None):
+    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None, request_timeout: float | None = None,
+                 on_fatal=None):  # fmt: skip
         self.engine, self.metrics = engine, metrics or ServingMetrics()
+        self.request_timeout = request_timeout  # seconds from arrival to the last token, or None: no deadline
+        self.on_fatal = on_fatal  # called (from the engine thread) with the error that killed the engine
+        self.fatal: BaseException | None = None
+        self.draining = False  # set at shutdown: requests in flight finish, new ones are refused
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.timing: dict[str, list] = {}  # request id -> [arrival, first token time] (engine thread only)
@@ -41,22 +76,38 @@ class AsyncEngine:
         self.inbox.put(None)  # wake the thread if it sleeps on the inbox
         self.thread.join()
 
+    @property
+    def alive(self) -> bool:
+        return self.fatal is None and self.thread.is_alive()
+
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise GenerationError now, in the caller's thread, for a request that can never run."""
+        """Raise now, in the caller's thread: GenerationError for a request that can never run,
+        EngineUnavailable if no request can run."""
+        self._check_available()
         self.engine.check_prompt(prompt_ids, params)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
+    def _check_available(self) -> None:
+        if self.fatal is not None or not self.thread.is_alive():
+            raise EngineUnavailable(f"the engine is dead ({self.fatal!r}); the server is restarting")
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down; retry on another replica or after its restart")
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[StepOutput]:  # fmt: skip
         """Submit a request and yield its step outputs (of all its n choices, told apart by `index`) until
         every choice has finished. Leaving early aborts it."""
-        request_id = f"req-{next(self._ids)}"
+        request_id = request_id or f"req-{next(self._ids)}"
         outputs: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self.inbox.put(("add", request_id, list(prompt_ids), params, time.monotonic()))
+        arrival = time.monotonic()
+        deadline = arrival + self.request_timeout if self.request_timeout is not None else None
         finished, remaining = False, params.n  # each of the n choices finishes on its own
         try:
+            self._check_available()  # after registering: a death from now on reaches this stream
+            self.inbox.put(("add", request_id, list(prompt_ids), params, arrival))
             while not finished:
-                out = await outputs.get()
-                if isinstance(out, Exception):
+                out = await self._next(outputs, deadline)
+                if isinstance(out, BaseException):
                     raise out
                 remaining -= out.finished
                 finished = remaining == 0
@@ -66,13 +117,33 @@ class AsyncEngine:
             if not finished:
                 self.inbox.put(("abort", request_id))
 
+    async def _next(self, outputs: asyncio.Queue, deadline: float | None):
+        if deadline is None:
+            return await outputs.get()
+        try:
+            return await asyncio.wait_for(outputs.get(), max(deadline - time.monotonic(), 0))
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            raise RequestTimedOut(f"the request ran past the server's deadline of {self.request_timeout:g} s "
+                                  "(--request-timeout); ask for fewer tokens") from None  # fmt: skip
+
     # -- the engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain(wait=not self.engine.has_unfinished())
-            if self.engine.has_unfinished():
-                self._step()
+        try:
+            while not self._stop.is_set():
+                self._drain(wait=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as error:  # engine/faults.py: what escapes a step is the engine's, not a request's
+            self._die(error)
+
+    def _die(self, error: BaseException) -> None:
+        log.critical("the engine died; failing every request in flight", exc_info=error)
+        self.fatal = error
+        for request_id in list(self.streams):
+            self._deliver(request_id, EngineUnavailable(f"the engine died while serving this request ({error!r})"))
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def _drain(self, wait: bool) -> None:
         try:
@@ -98,20 +169,24 @@ class AsyncEngine:
         except Qwen3Error as error:
             self._deliver(request_id, error)
             return
+        except Exception as error:  # add_request touches only this request's state: fail it alone
+            log.error("request %s failed on arrival; the other requests go on", request_id, exc_info=error)
+            self.engine.abort(request_id)
+            self._deliver(request_id, RequestFailed(request_id, error))
+            return
         self.timing[request_id] = [arrival, None]
         self.metrics.prompt_tokens.inc(len(prompt_ids))
 
     def _step(self) -> None:
         preempted_before = self.engine.num_preemptions
-        try:
-            outputs = self.engine.step()
-        except Exception as error:  # a bug: fail the requests in flight (HTTP 500) rather than hang them
-            for request_id in list(self.engine.sequences):
-                self.engine.abort(request_id)
-                self._deliver(request_id, error)
-            return
+        outputs = self.engine.step()  # raises only when the engine cannot go on (_run)
         now = time.monotonic()
         for out in outputs:
+            if out.error is not None:  # failed alone; the engine logged it under its id
+                self.timing.pop(out.request_id, None)
+                self.metrics.failed.inc()
+                self._deliver(out.request_id, RequestFailed(out.request_id, out.error))
+                continue
             timing = self.timing.get(out.request_id)
             if timing is not None and timing[1] is None:
                 timing[1] = now

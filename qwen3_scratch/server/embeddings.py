@@ -16,6 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
 from .fields import RefusedField, accepted, implemented
+from .schema import EMBEDDING_RESPONSES
 
 EMBEDDINGS = {
     "input": implemented(["hello", "world"]),
@@ -57,7 +58,7 @@ def encode(vector, encoding_format: str):
     return vector.tolist()
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", responses=EMBEDDING_RESPONSES)
 async def embeddings(body: EmbeddingRequest, request: Request):
     s = request.app.state.serving
     s.check_model(body.model)

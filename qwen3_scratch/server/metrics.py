@@ -1,13 +1,14 @@
 """The server's numbers, in Prometheus text (`GET /metrics`), written by the engine thread only.
 
 Names follow vLLM's where one exists (`vllm:num_requests_running` -> `qwen3_num_requests_running`),
-so dashboards built for it need only the prefix changed.
+so dashboards built for it need only the prefix changed. The process's own numbers come too, as
+Prometheus' standard `process_*` (resident memory, CPU seconds, open files), as vLLM's do.
 """
 
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 # Seconds; CPU decode steps run from milliseconds (tiny models) to seconds (large ones).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -17,6 +18,7 @@ class ServingMetrics:
     def __init__(self, window_seconds: float = 10.0):
         self.registry = CollectorRegistry()  # one per server, so tests can start several in a process
         r = self.registry
+        ProcessCollector(registry=r)
         self.running = Gauge("qwen3_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("qwen3_num_requests_waiting", "Requests waiting for KV memory", registry=r)
         self.blocks_used = Gauge("qwen3_kv_blocks_used", "KV cache blocks held by requests", registry=r)
@@ -28,6 +30,8 @@ class ServingMetrics:
         self.prompt_tokens = Counter("qwen3_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("qwen3_generation_tokens", "Output tokens generated", registry=r)
         self.aborted = Gauge("qwen3_num_requests_aborted", "Requests whose client went away", registry=r)
+        self.failed = Counter("qwen3_num_requests_failed", "Requests failed by a fault inside the engine (HTTP 500)",
+                              registry=r)  # fmt: skip
         self.preemptions = Counter("qwen3_num_preemptions", "Requests preempted for KV memory", registry=r)
         self.ttft = Histogram("qwen3_time_to_first_token_seconds", "Request arrival to its first output token",
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip

@@ -10,20 +10,23 @@ one, and the one Qwen3's chat template reads back from history).
 
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.sampling.params import FIELD_CHECKS, FILTER_FIELDS, SamplingParams, token_id_keys
 from qwen3_scratch.sampling.structured import StructuredOutputsParams
 
 from .fields import RefusedField, check_request_fields
+from .messages import ChatMessage, Tool
 
 
 class SamplingFields(BaseModel):
     # Unknown fields are kept (not ignored) so that fields.check_request_fields can refuse them by name.
-    model_config = ConfigDict(extra="allow")
+    # Strict: `true` is not the token id 1, nor "5" a seed; numbers are still numbers whether written 1 or
+    # 1.0 (for float fields).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -93,10 +96,15 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    @field_validator("stream_options")
+    @classmethod
+    def _usage_flag_is_bool(cls, value):
+        return check_flags(value, ("include_usage", "continuous_usage_stats"))
+
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]  # roles and shapes checked (messages.py)
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
@@ -122,16 +130,18 @@ class ChatCompletionRequest(SamplingFields):
             raise RefusedField("top_logprobs", "top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _thinking_flag_is_bool(cls, value):
+        return check_flags(value, ("enable_thinking",))
+
     def chat_messages(self) -> list[dict]:
         """Messages for the template: content given as a list of text parts becomes one string."""
-        messages = []
-        for message in self.messages:
-            content = message.get("content")
-            if isinstance(content, list):
-                texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-                message = {**message, "content": "".join(texts)}
-            messages.append(message)
-        return messages
+        return [message.as_dict() for message in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools for the template, as plain dicts; None when there are none or tool_choice is "none"."""
+        return [tool.as_dict() for tool in self.tools] if self.tools and self.tool_choice != "none" else None
 
 
 class CompletionRequest(SamplingFields):
@@ -146,6 +156,14 @@ class CompletionRequest(SamplingFields):
         if not self.prompt:
             raise RefusedField("prompt", "prompt is empty: send a string, a list of strings or of token ids")
         return list(self.prompt)
+
+
+def check_flags(options: dict | None, names: tuple[str, ...]) -> dict | None:
+    """options unchanged, or ValueError (HTTP 422) if one of `names` in it is not true or false."""
+    for name in names:
+        if options is not None and not isinstance(options.get(name, False), bool):
+            raise ValueError(f"{name} must be true or false")
+    return options
 
 
 def new_id(prefix: str) -> str:

@@ -100,7 +100,8 @@ def chat_structure(body, tokenizer: Tokenizer) -> StructuredOutputsParams | None
     asked = []
     if (spec := from_response_format(body.response_format)) is not None:
         asked.append(("response_format", spec))
-    if (spec := from_tool_choice(body.tool_choice, body.tools, body.parallel_tool_calls, tokenizer)) is not None:
+    tools = [tool.as_dict() for tool in body.tools] if body.tools else None
+    if (spec := from_tool_choice(body.tool_choice, tools, body.parallel_tool_calls, tokenizer)) is not None:
         asked.append(("tool_choice", spec))
     if (found := from_vllm_fields(body)) is not None:
         asked.append(found)

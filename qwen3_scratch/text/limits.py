@@ -10,13 +10,13 @@ their size is bounded before any of the expensive work. The limits:
 
 `count_tokens_upto` then measures a prompt against the context by tokenizing a growing prefix, so a
 prompt far too long is refused after tokenizing about one context's worth of it, not all of it.
-The CLIs (cli/inputs.py) and Pipeline share these, and the batch size that bounds a list of prompts;
-nothing here imports torch.
+`check_fits` puts both together against a model's context. The CLIs (cli/inputs.py), Pipeline and the
+server share these, and the batch size that bounds a list of prompts; nothing here imports torch.
 """
 
 from collections.abc import Callable
 
-from qwen3_scratch.errors import InputError
+from qwen3_scratch.errors import GenerationError, InputError
 
 MAX_BYTES_PER_TOKEN = 32
 LONGEST_QWEN3_CONTEXT = 131_072
@@ -56,3 +56,15 @@ def count_tokens_upto(encode: Callable[[str], list], text: str, limit: int) -> i
             return count
         size *= 2
     return len(encode(text))
+
+
+def check_fits(text: str, label: str, encode: Callable[[str], list], context: int) -> None:
+    """Refuse a text that cannot fit the context, cheaply, before it is fully tokenized: first by its
+    length (MAX_BYTES_PER_TOKEN per token at most), then by tokenizing only about as much of it as the
+    context holds. (The exact count, template included, is checked when it runs.)"""
+    if len(text) > context * MAX_BYTES_PER_TOKEN:
+        raise GenerationError(f"{label} is {len(text):,} characters, more than the model's context of {context} "
+                              f"tokens can hold at {MAX_BYTES_PER_TOKEN} per token; shorten the prompt")  # fmt: skip
+    check_prompt(text, label)  # UTF-8 (no lone surrogates) and the reading limit, as the CLI's input
+    if len(text) >= context and (n := count_tokens_upto(encode, text, context)) >= context:
+        raise GenerationError(f"{label} is at least {n} tokens but the model's context is {context}; shorten the prompt")
