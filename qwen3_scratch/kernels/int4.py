@@ -32,29 +32,48 @@ from torch import nn
 
 from qwen3_scratch.errors import CheckpointError
 
+from .matvec import kernel, unavailable_reason
+
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 INNER_K_TILES = 2  # torch's packing parameter for the CUDA kernel (2, 4 or 8); the CPU packing ignores it
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> codes (N, K) int32 in [0, 15] and scales_and_zeros (K/g, N, 2) fp32.
+    """(N, K) float -> codes (N, K) int32 in [0, 15] and scales_and_zeros (K/g, N, 2) fp32 (tests, references)."""
+    chunks = [quantize_chunk(weight[i : i + rows_per_chunk], group_size=group_size) for i in range(0, len(weight), rows_per_chunk)]
+    return torch.cat([q for q, _ in chunks]), torch.cat([sz for _, sz in chunks], dim=1)
 
-    In chunks of rows, so the fp32 temporaries of a 151936-row lm_head never exist all at once.
+
+def quantize_and_pack(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> packed codes for torch's kernel and scales_and_zeros (K/g, N, 2) fp32.
+
+    In chunks of rows (a multiple of torch's 64-row packing blocks, so packing chunk by chunk equals packing
+    the whole), each one compiled loop on a CPU (matvec.kernel; eager ops took ~30 s for the 0.6B shapes),
+    so no int32 or fp32 temporary of a 151936-row lm_head ever exists whole.
     """
-    N, K = weight.shape
-    codes = torch.empty(N, K, dtype=torch.int32, device=weight.device)  # (N, K)
-    scales_and_zeros = torch.empty(K // group_size, N, 2, dtype=torch.float32, device=weight.device)
-    for start in range(0, N, rows_per_chunk):
-        w = weight[start : start + rows_per_chunk].float()  # (n, K)
-        groups = w.view(w.shape[0], K // group_size, group_size)  # (n, K/g, g)
-        lo, hi = groups.amin(-1), groups.amax(-1)  # (n, K/g)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)  # a constant group keeps a tiny scale, not a division by 0
-        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp_(0, 15)  # (n, K/g, g)
-        codes[start : start + rows_per_chunk] = q.view(w.shape[0], K).to(torch.int32)
-        scales_and_zeros[:, start : start + rows_per_chunk, 0] = scale.t()  # (K/g, n)
-        scales_and_zeros[:, start : start + rows_per_chunk, 1] = (lo + 8 * scale).t()
-    return codes, scales_and_zeros
+    packed, scales_and_zeros = [], []
+    for start in range(0, len(weight), rows_per_chunk):
+        w = weight[start : start + rows_per_chunk]  # (n, K)
+        fn = kernel(quantize_chunk, w, group_size=group_size) if w.device.type == "cpu" and compiler_works() else None
+        q, sz = fn(w.contiguous()) if fn else quantize_chunk(w, group_size=group_size)
+        packed.append(pack(q))
+        scales_and_zeros.append(sz)
+    return torch.cat(packed), torch.cat(scales_and_zeros, dim=1)
+
+
+def quantize_chunk(w: torch.Tensor, *, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (n, K) -> codes (n, K) int32 and scales_and_zeros (K/g, n, 2) fp32, as the module docstring says."""
+    n, K = w.shape
+    groups = w.float().view(n, K // group_size, group_size)  # (n, K/g, g)
+    lo, hi = groups.amin(-1), groups.amax(-1)  # (n, K/g)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)  # a constant group keeps a tiny scale, not a division by 0
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)  # (n, K/g, g)
+    return q.view(n, K).to(torch.int32), torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1)  # (K/g, n, 2)
+
+
+def compiler_works() -> bool:
+    return unavailable_reason() is None
 
 
 def dequantize(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -85,8 +104,8 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
         self.split_sizes = getattr(linear, "split_sizes", None)
-        codes, scales_and_zeros = quantize_groups(linear.weight.detach(), group_size)
-        self.weight = nn.Parameter(pack(codes), requires_grad=False)  # opaque layout, K/2 bytes a row
+        packed, scales_and_zeros = quantize_and_pack(linear.weight.detach(), group_size)
+        self.weight = nn.Parameter(packed, requires_grad=False)  # opaque layout, K/2 bytes a row
         self.scales_and_zeros = nn.Parameter(scales_and_zeros.to(dtype), requires_grad=False)  # (K/g, N, 2)
         self.bias = linear.bias
 
