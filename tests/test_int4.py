@@ -2,9 +2,13 @@
 dequantized, to the suite's fp32 bar, in a prompt and in decode steps; and they load, generate, chat and
 serve through every entry point (CLI, chat, LLM, the server). Speed is in scripts/benchmark.py."""
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -16,7 +20,6 @@ from make_tiny_checkpoint import make_tiny_checkpoint
 from torch import nn
 
 from qwen3_scratch.checkpoint.weights import load_model
-from qwen3_scratch.cli import chat as chat_cli
 from qwen3_scratch.cli.serve import build_parser as serve_parser
 from qwen3_scratch.cli.serve import load as serve_load
 from qwen3_scratch.errors import CheckpointError
@@ -28,6 +31,7 @@ from qwen3_scratch.server.app import build_app
 from qwen3_scratch.server.async_engine import AsyncEngine
 
 GREEDY = LogitsFilter(temperature=0.0)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +78,16 @@ def test_int4_fp32_logits_equal_the_dequantized_weights_reference(tied, optimize
     assert_logits_match(prompt_and_steps(model, tokens, 30), expected[0, 29:], f"int4, optimize={optimize}, decode steps")
 
 
-def test_int4_bf16_logits_stay_within_bf16_rounding_of_the_reference(tied):
-    """With bf16 activations (the fast path on a CPU) the same products, rounded to bf16 along the way."""
-    model = load_model(tied, dtype=torch.bfloat16, quantize="int4", quantize_group_size=64, optimize="decode")
-    reference = dequantized_reference(tied, torch.bfloat16, 64)
+def test_int4_bf16_logits_stay_within_bf16_rounding_of_the_reference(tmp_path):
+    """With bf16 activations (the fast path on a CPU) the same products, rounded to bf16 along the way;
+    group 64 here, on a checkpoint whose every matrix it divides."""
+    path = build_checkpoint(tmp_path, intermediate_size=192)
+    model = load_model(path, dtype=torch.bfloat16, quantize="int4", quantize_group_size=64, optimize="decode")
+    reference = dequantized_reference(path, torch.bfloat16, 64)
     x = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(2))
     ours, theirs = model(x).float(), reference(x)
     worst = ((ours - theirs).abs().max() / theirs.abs().max()).item()
-    assert worst < 0.03, f"bf16 int4 logits differ from the fp32 dequantized reference by {worst:.3g} of the largest"
+    assert worst < 0.06, f"bf16 int4 logits differ from the fp32 dequantized reference by {worst:.3g} of the largest"
 
 
 def test_int4_groups_round_trip_within_half_a_step():
@@ -110,12 +116,14 @@ def test_quantize_int4_generates_from_the_cli_and_misused_flags_fail_in_one_line
     assert_one_line_error(code, err, "--quantize-group-size applies to --quantize int4 only")
 
 
-def test_chat_answers_with_int4_weights(tiny, capsys, monkeypatch):
-    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("Hello!\n/stats\n"))
-    code = chat_cli.main(["--model", str(tiny), "--max-new-tokens", "5", "--ignore-eos", "--temperature", "0",
-                          "--quantize", "int4", "--quantize-group-size", "32"])  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0 and "generated_tokens=5" in out, out
+def test_chat_answers_with_int4_weights(tiny):
+    result = subprocess.run(
+        [sys.executable, "-m", "qwen3_scratch.chat", "--model", str(tiny), "--max-new-tokens", "5", "--ignore-eos",
+         "--temperature", "0", "--quantize", "int4", "--quantize-group-size", "32"],
+        input="Hello!\n/stats\n", capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert result.returncode == 0 and "generated_tokens=5" in result.stdout, result.stdout + result.stderr
 
 
 def test_llm_and_server_with_int4_answer_as_the_simple_loop(tiny):
