@@ -13,7 +13,7 @@ The maths is the model's: the kernels trace model.rms_norm, rope.apply_rope and 
 order and dtypes, with eager's roundings to bf16. One exception, for speed: in bf16 (or fp16), while the
 context is short (at most SHORT_CONTEXT slots attended), attention runs in fp32 over the cache widened
 for the step (`attend_in_fp32`): oneDNN's half-precision batched products for one query cost ~2x the
-fp32 ones at these sizes, more than widening (1, K, S, D) keys and values costs (docs/performance.md).
+fp32 ones at these sizes, more than widening (1, K, S, D) keys and values costs (docs/performance-history.md).
 That path is not bit-identical to the eager layers (its scores are not rounded to bf16): it is held
 to the parity suite's bf16 bounds (16 greedy tokens as transformers'); with it off, bf16 logits are
 bit-identical to the eager layers' (tests/test_decode_layouts.py). Everything that is not a batch-1
