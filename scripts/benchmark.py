@@ -52,14 +52,16 @@ OURS = {  # our engines: generate_tokens arguments
     "packed": dict(use_cache=True),
     "cache": dict(use_cache=True),
     "int8": dict(use_cache=True),
+    "int4": dict(use_cache=True),
     "compiled": dict(use_cache=True, compile=True),
 }
 LAYOUTS = {  # load_model arguments: "plain" keeps the checkpoint's layout, "packed" is serving's (LLM's),
     "recompute": {}, "plain": {}, "packed": dict(optimize="batch"),  # the others load as the Pipeline does
     "cache": dict(optimize="decode"), "int8": dict(optimize="decode", quantize="int8"),
-    "compiled": dict(optimize="decode"),
+    "int4": dict(optimize="decode", quantize="int4"), "compiled": dict(optimize="decode"),
 }  # fmt: skip
 ENGINES = ("transformers", *OURS, "llamacpp")
+QUANTIZED = ("int8", "int4")  # our engines whose weights are not in --dtype (their activations are)
 GREEDY = LogitsFilter(temperature=0.0)
 SWEEP_STEPS = 5  # decode steps timed per length; the median is kept
 RECOMPUTE_SWEEP_REPEATS = 3  # a recompute step is one long forward, so fewer repeats suffice
@@ -268,22 +270,22 @@ def benchmark_size(size: str, args, device: str, dtype: torch.dtype, engines: li
     step_bytes = None
     for engine in [e for e in engines if e in OURS]:  # one model in memory at a time, in this engine's layout
         ours = load_model(path, device, dtype, **LAYOUTS[engine])
-        if engine != "int8" or step_bytes is None:
+        if engine not in QUANTIZED or step_bytes is None:
             step_bytes = bytes_per_decode_step(ours, ours.config, mean_context, 1)
         r, s = run_engines(ours, [engine], args, prompt, device, args.sweep_lengths, vocab)
         results, sweeps = {**results, **r}, {**sweeps, **s}
-        if engine == "int8":
+        if engine in QUANTIZED:
             results[engine]["bytes_per_step"] = bytes_per_decode_step(ours, ours.config, mean_context, 1)
         del ours
         free(device)
     if "llamacpp" in engines:
         from llamacpp_engine import time_llamacpp
 
-        dtype_name = "int8" if args.llamacpp_q8 else str(dtype).removeprefix("torch.")
+        dtype_name = args.llamacpp_quant or str(dtype).removeprefix("torch.")
         runs = time_llamacpp(path, dtype_name, prompt, args.new_tokens, torch.get_num_threads(), args.repeats)
         results["llamacpp"] = median_run([Run(len(r["tokens"]), r["ttft_s"], r["total_s"], r["tokens"]) for r in runs])
-    if step_bytes is None:  # only transformers or llama.cpp: the same weights in the same dtype (Q8_0: int8)
-        model = load_model(path, device, dtype, quantize="int8" if args.llamacpp_q8 else None)
+    if step_bytes is None:  # only transformers or llama.cpp: the same weights in the same dtype (Q8_0: our int8)
+        model = load_model(path, device, dtype, quantize=args.llamacpp_quant)
         step_bytes = bytes_per_decode_step(model, model.config, mean_context, 1)
         del model
     return {"size": size, "checkpoint": str(path), "bytes_per_step": step_bytes, "mean_context": mean_context,
@@ -300,7 +302,7 @@ def add_ratios(report: dict, bandwidth: float) -> None:
     base = report["engines"].get("transformers")
     for result in report["engines"].values():
         result["vs_transformers"] = result["decode_tok_s"] / base["decode_tok_s"] if base else None
-        # int8 reads its own (smaller) bytes per step
+        # int8 and int4 read their own (smaller) bytes per step
         result["util"] = result["decode_tok_s"] * result.get("bytes_per_step", report["bytes_per_step"]) / bandwidth
 
 
@@ -394,10 +396,11 @@ def parse_args(argv=None):
                    help="use this folder instead of weights/qwen3-<size>-shapes (with one size only)")
     p.add_argument("--out", default="docs/benchmarks", help="folder for <device>_<size>.json and the PNG")
     p.add_argument("--warmup-tokens", type=int, default=None, help="tokens of the untimed warm-up run (default: as timed)")
-    p.add_argument("--llamacpp-q8", action="store_true", help="llamacpp engine: the Q8_0 GGUF (int8) instead of --dtype's")
+    p.add_argument("--llamacpp-quant", choices=["int8", "int4"],
+                   help="llamacpp engine: the Q8_0 (int8) or Q4_0 (int4) GGUF instead of --dtype's")  # fmt: skip
     p.add_argument("--table", action="store_true",
                    help="the issue's table: every engine and dtype in its own process, alternating (engine_table.py)")
-    p.add_argument("--table-dtypes", default="float32,bfloat16,int8", help="--table: the dtype columns")
+    p.add_argument("--table-dtypes", default="float32,bfloat16,int8,int4", help="--table: the dtype columns")
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # --table's worker processes
     args = p.parse_args(argv)
     args.sweep_lengths = [int(x) for x in args.sweep_lengths.split(",") if x.strip()]

@@ -1,12 +1,16 @@
 """One activation row times each Qwen3-0.6B matrix: how fast each CPU kernel reads the weights.
 
-    python scripts/benchmark_matvec.py                 # fp32, bf16 and int8; GB/s per kernel and matrix
+    python scripts/benchmark_matvec.py                 # fp32, bf16, int8 and int4; GB/s per kernel and matrix
 
 Batch-1 decode is these products and little else, so a kernel's GB/s here is the ceiling of decode
 speed. Per matrix shape, 28 layers' worth of matrices (the lm_head once) so nothing stays in the
 caches; per kernel the median of 7 passes; the copy bandwidth (stats.measure_bandwidth) is measured in
 the same run. Kernels: torch's F.linear; oneDNN's prepacked product (fuse.PackedLinear, serving's
-layout); for int8 torch._weight_int8pack_mm; and ours, the compiled one-row loop (matvec.py).
+layout); for int8 torch._weight_int8pack_mm, torch._int_mm with the activation row quantized to int8
+(int32 sums: VNNI's route, as llama.cpp's Q8_0 x Q8_0) and ours, the compiled one-row loop (matvec.py);
+for int4 (group 32, bf16 activations) torch._weight_int4pack_mm_for_cpu, what kernels/int4.py runs, and
+the compiled loop it was measured against (`int4_loop` below: unpack two nibbles, widen, multiply-add).
+int4 bytes count the nibbles and the bf16 scale and zero point of each group.
 """
 
 import argparse
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qwen3_scratch.generation.stats import measure_bandwidth  # noqa: E402
+from qwen3_scratch.kernels.int4 import quantize_and_pack, quantize_groups  # noqa: E402
 from qwen3_scratch.kernels.matvec import kernel, matvec, matvec_int8  # noqa: E402
 from qwen3_scratch.kernels.quantize import quantize_rows  # noqa: E402
 
@@ -59,9 +64,42 @@ def int8_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
     }
 
 
+def int8_activation_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
+    """int8 x int8 -> int32 products; the row's own quantization (one scale) is a few µs and not timed."""
+    quantized = [quantize_rows(w)[0].t() for w in weights]  # (K, N) views of the (N, K) int8 rows
+    x8 = torch.round(x.float() / (x.float().abs().max() / 127)).to(torch.int8)  # (1, K)
+    return {"_int_mm (int8 activations)": lambda: [torch._int_mm(x8, q) for q in quantized]}
+
+
+def int4_loop(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The loop kernels/int4.py did not keep: x (K/32, 2, 16) fp32, nibbles (N, K/32, 16) uint8 (low: weight j
+    of a group, high: weight j + 16), scale and zero (N, K/32) -> (N,) bf16."""
+    low = (nibbles & 15).float() * scale[..., None] + zero[..., None]  # (N, K/32, 16)
+    high = (nibbles >> 4).float() * scale[..., None] + zero[..., None]
+    return ((low * x[:, 0]).sum((-1, -2)) + (high * x[:, 1]).sum((-1, -2))).to(torch.bfloat16)
+
+
+def int4_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
+    packed = [quantize_and_pack(w, 32) for w in weights]
+    packed = [(p, sz.to(torch.bfloat16)) for p, sz in packed]
+    loops = []
+    for w in weights:  # the same codes in the loop's own layout; zero here is the group's minimum
+        codes, sz = quantize_groups(w, 32)
+        n, k = codes.shape
+        c = codes.view(n, k // 32, 2, 16).to(torch.uint8)
+        lo = (sz[..., 1] - 8 * sz[..., 0]).t().contiguous()  # (N, K/32)
+        loops.append(((c[:, :, 0] | c[:, :, 1] << 4).contiguous(), sz[..., 0].t().contiguous(), lo))
+    xs = x.float().view(-1, 2, 16)  # (K/32, 2, 16)
+    loop = kernel(int4_loop, xs, *loops[0])
+    return {
+        "_weight_int4pack_mm_for_cpu": lambda: [torch._weight_int4pack_mm_for_cpu(x, p, 32, sz) for p, sz in packed],
+        "compiled loop (not kept)": lambda: [loop(xs, *args) for args in loops],
+    }
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtypes", default="float32,bfloat16,int8")
+    p.add_argument("--dtypes", default="float32,bfloat16,int8,int4")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
@@ -71,15 +109,18 @@ def main(argv=None) -> None:
     print("| matrix | dtype | kernel | GB/s |\n|---|---|---|---:|")
     for name, (n, k, count) in SHAPES.items():
         for dtype in args.dtypes.split(","):
-            float_dtype = torch.bfloat16 if dtype == "int8" else getattr(torch, dtype)
+            float_dtype = torch.bfloat16 if dtype in ("int8", "int4") else getattr(torch, dtype)
             weights = [torch.randn(n, k).to(float_dtype) for _ in range(count)]
             x = torch.randn(1, k).to(float_dtype)
-            kernels = int8_kernels(weights, x) if dtype == "int8" else float_kernels(weights, x)
-            element = 1 if dtype == "int8" else weights[0].element_size()
             if dtype == "int8":
-                del weights  # only the int8 copies are read
+                kernels = {**int8_kernels(weights, x), **int8_activation_kernels(weights, x)}
+            else:
+                kernels = int4_kernels(weights, x) if dtype == "int4" else float_kernels(weights, x)
+            element = {"int8": 1, "int4": 0.5 + 4 / 32}.get(dtype, weights[0].element_size())
+            if dtype in ("int8", "int4"):
+                del weights  # only the quantized copies are read
             for label, products in kernels.items():
-                print(f"| {name} | {dtype} | {label} | {gb_per_s(products, n * k * count * element):.1f} |", flush=True)
+                print(f"| {name} | {dtype} | {label} | {gb_per_s(products, round(n * k * count * element)):.1f} |", flush=True)
 
 
 if __name__ == "__main__":

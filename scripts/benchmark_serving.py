@@ -89,20 +89,24 @@ def prefix_effect(model, prefix_tokens, suffix_tokens, vocab, repeats):
     return statistics.median(misses), statistics.median(hits)
 
 
-def paged_vs_contiguous(model, batch, context, repeats=5):
-    """One decode step for `batch` rows at `context` tokens: paged (gather) vs contiguous cache, seconds.
-
-    The caches hold zeros instead of a prefill's keys: the timing does not depend on their values."""
-    engine = LLMEngine(model, None, [], num_blocks=batch * (context // 16 + 2), block_size=16)
-    prompts = random_prompts(batch, context + 1, context + 1, model.config.vocab_size, seed=7)
+def paged_step(model, prompts, context, repeats) -> float:
+    """The fastest of `repeats` paged decode steps, one new token per prompt after `context` cached ones."""
+    engine = LLMEngine(model, None, [], num_blocks=len(prompts) * (context // 16 + 2), block_size=16)
     chunks = []
     for i, ids in enumerate(prompts):
         seq = Sequence(str(i), ids, len(ids), SamplingParams(), 4, frozenset())
         seq.block_table, _ = engine.blocks.allocate(ids)
-        chunks.append(Chunk(seq, context, context + 1))  # the newest token, after `context` cached ones
-    paged = min(timed(lambda: engine.runner.decode(chunks)) for _ in range(repeats))
-    del engine, chunks
-    gc.collect()
+        chunks.append(Chunk(seq, context, context + 1))
+    return min(timed(lambda: engine.runner.decode(chunks)) for _ in range(repeats))
+
+
+def paged_vs_contiguous(model, batch, context, repeats=5):
+    """One decode step for `batch` rows at `context` tokens: paged (gather) vs contiguous cache, seconds.
+
+    The caches hold zeros instead of a prefill's keys: the timing does not depend on their values."""
+    prompts = random_prompts(batch, context + 1, context + 1, model.config.vocab_size, seed=7)
+    paged = paged_step(model, prompts, context, repeats)
+    gc.collect()  # the engine's pool is gone before the contiguous cache is made
     loop = CachedLoop(model, PaddedBatch.left_pad([ids[:context] for ids in prompts], 0, "cpu"), repeats + 1)
     tokens = torch.zeros(batch, dtype=torch.long)
     contiguous = min(timed(lambda: loop.step(tokens)) for _ in range(repeats))  # context grows by 1 a step

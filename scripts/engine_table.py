@@ -7,7 +7,8 @@ its own model, warms up once, times one run, and reports decode tok/s and its pe
 alternate the engines (the order rotates every round), so a busy neighbour slows all of them alike,
 and the memory bandwidth is measured in this process before every round; the table divides by the
 median. Columns: float32 and bfloat16 run every engine; int8 runs ours (`int8`: int8 weights, bf16
-activations) and llama.cpp's Q8_0.
+activations) and llama.cpp's Q8_0; int4 ours (`int4`: int4 weights, group 32, bf16 activations) and
+llama.cpp's Q4_0. The report names the CPU and the flags its kernels care about (machine.cpu_info).
 """
 
 import json
@@ -23,16 +24,20 @@ HERE = Path(__file__).resolve().parent
 NAMES = {"transformers": "transformers `generate`", "plain": "ours, KV cache, checkpoint layout",
          "packed": "ours, KV cache, fused + prepacked (serving's layout)",
          "cache": "ours, KV cache, compiled matvec (the default)", "int8": "ours, int8 weights",
+         "int4": "ours, int4 weights (group 32)",
          "recompute": "ours, full recompute", "llamacpp": "llama.cpp (llama-cpp-python)"}  # fmt: skip
+
+
+QUANTIZED = ("int8", "int4")  # a column of its own each: our engine of that name and llama.cpp's Q8_0 / Q4_0
 
 
 def cells(engines: list[str], dtypes: list[str]) -> list[tuple[str, str]]:
     out = []
     for dtype in dtypes:
         for engine in engines:
-            if dtype == "int8" and engine in ("int8", "llamacpp"):
+            if dtype in QUANTIZED and engine in (dtype, "llamacpp"):
                 out.append((engine, dtype))
-            elif dtype != "int8" and engine != "int8":
+            elif dtype not in QUANTIZED and engine not in QUANTIZED:
                 out.append((engine, dtype))
     return out
 
@@ -41,10 +46,10 @@ def run_cell(engine: str, dtype: str, args, workdir: Path) -> dict | None:
     out = workdir / f"{engine}-{dtype}.json"
     out.unlink(missing_ok=True)
     command = [sys.executable, str(HERE / "benchmark.py"), "--sizes", args.sizes, "--device", "cpu",
-               "--dtype", "bfloat16" if dtype == "int8" else dtype, "--engines", engine, "--repeats", "1",
+               "--dtype", "bfloat16" if dtype in QUANTIZED else dtype, "--engines", engine, "--repeats", "1",
                "--sweep-lengths", "", "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens),
                "--warmup-tokens", str(args.warmup_tokens or 4),
-               "--child-json", str(out)] + (["--llamacpp-q8"] if dtype == "int8" and engine == "llamacpp" else []) \
+               "--child-json", str(out)] + (["--llamacpp-quant", dtype] if dtype in QUANTIZED and engine == "llamacpp" else []) \
         + (["--checkpoint", args.checkpoint] if args.checkpoint else [])  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
@@ -65,7 +70,7 @@ def fresh_bandwidth() -> float:
 
 
 def run_table(args, argv: list[str]) -> None:
-    engines = (args.engines or "transformers,plain,cache,int8").split(",")
+    engines = (args.engines or "transformers,plain,cache,int8,int4").split(",")
     dtypes = args.table_dtypes.split(",")
     todo = cells(engines, dtypes)
     results: dict[tuple[str, str], list[dict]] = {cell: [] for cell in todo}
@@ -109,6 +114,7 @@ def summarize(results: dict, bandwidth: float) -> dict:
 def print_report(report: dict, engines, dtypes, info: dict, bandwidths, argv) -> None:
     print(f"\nCPU: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads), "
           f"transformers {info['transformers']}")
+    print(f"CPU flags the kernels care about: {', '.join(info['cpu_flags']) or 'none found'}")
     print(f"bandwidth per round (GB/s): {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)}; median {info['bandwidth_gb_s']}")
     print("command: python scripts/benchmark.py " + " ".join(argv))
     limits = {d: next((v["limit_tok_s"] for (e, dd), v in report.items() if dd == d and e != "llamacpp"), None)
@@ -123,5 +129,10 @@ def print_report(report: dict, engines, dtypes, info: dict, bandwidths, argv) ->
             row.append(f"{v['decode_tok_s']:.2f} ({v['util']:.0%})" if v else "–")
         rss = " / ".join(f"{report[(engine, d)]['peak_rss_mib']:.0f}" for d in dtypes if (engine, d) in report)
         print(f"| {NAMES.get(engine, engine)} | " + " | ".join(row) + f" | {rss} |")
+    ratios = []
+    for d in dtypes:  # our engine for that column (the default for fp32 and bf16) against llama.cpp's
+        ours, theirs = report.get((d if d in QUANTIZED else "cache", d)), report.get(("llamacpp", d))
+        ratios.append(f"**{ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x**" if ours and theirs else "–")
+    print("| ours / llama.cpp | " + " | ".join(ratios) + " | |")
     for (engine, d), v in report.items():
         print(f"  {engine} {d}: runs {v['all']}")

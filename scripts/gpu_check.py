@@ -8,7 +8,7 @@ Needs torch, transformers, safetensors, tokenizers and huggingface_hub; runs fro
 failure is recorded in the JSON and the next step runs):
   1. the CUDA tests: `pytest -m cuda`;
   2. per size (0.6B, 1.7B, 4B, 8B): write a random checkpoint of the exact shapes (drawn on the GPU,
-     so 8B takes seconds), then decode greedily, batch 1, in bf16 and int8, eager (KV cache) and
+     so 8B takes seconds), then decode greedily, batch 1, in bf16, int8 and int4, eager (KV cache) and
      compiled (CUDA graphs), against the GPU's bandwidth limit measured in the same process;
   3. the load benchmark onto the GPU (scripts/benchmark_load.py --device cuda).
 It writes gpu_check.json and gpu_check.md into --out after every step, so a run cut short keeps
@@ -35,7 +35,9 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_la
             bos_token_id=0, eos_token_id=1)  # Qwen3's ids (151643...) are outside a 512-token vocabulary  # fmt: skip
 # Qwen3-30B-A3B's routing (top-8 of 128 experts) at the tiny widths, for the dry run of the MoE path.
 TINY_MOE = {**TINY, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 32}
-VARIANTS = [("bfloat16", None), ("int8", "int8")]  # (name, quantize); activations are bf16 in both
+# (name, quantize); activations are bf16 in all three. int4 runs torch's `_weight_int4pack_mm` on CUDA
+# (kernels/int4.py: tinygemm's packing, group 32, a scale and zero point per group)
+VARIANTS = [("bfloat16", None), ("int8", "int8"), ("int4", "int4")]
 ENGINES = ("eager", "compiled")
 STEP_LIMITS = {"tests": 150, "decode": 170, "load": 90}  # seconds per step; decode per size
 

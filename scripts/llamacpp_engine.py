@@ -2,14 +2,17 @@
 install it and convert the checkpoint yourself, once (never part of CI):
 
     CMAKE_ARGS="-DGGML_NATIVE=on" pip install llama-cpp-python          # compiles llama.cpp for this CPU
-    python scripts/llamacpp_engine.py --convert weights/qwen3-0.6b-shapes  # -> <folder>/gguf/{f32,bf16,q8_0}.gguf
+    python scripts/llamacpp_engine.py --convert weights/qwen3-0.6b-shapes  # -> <folder>/gguf/{f32,bf16,q8_0,q4_0}.gguf
 
 `--convert` runs llama.cpp's own converter, `convert_hf_to_gguf.py`, from a llama.cpp checkout or the
 llama-cpp-python sdist's `vendor/llama.cpp` (`--llama-cpp DIR`; it uses the `gguf` package from that
 folder's `gguf-py`, and imports `sentencepiece` before it looks for a BPE vocabulary: `pip install
 sentencepiece`). Our shape checkpoints have no tokenizer, so Qwen3's real vocabulary is written beside
 them, built offline (tests/real_vocab.py); decode speed does not depend on it. The benchmark feeds the
-same random prompt ids to every engine.
+same random prompt ids to every engine. The converter writes f32, bf16 and Q8_0; Q4_0 is made from the
+bf16 file by llama.cpp's own quantizer (`llama_model_quantize`, what `llama-quantize` runs) with its
+defaults, as the Q4_0 files people download are: every matrix Q4_0 except the tied embedding / output
+matrix, which llama.cpp keeps in Q6_K.
 """
 
 import argparse
@@ -19,7 +22,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}  # our dtype -> llama.cpp's file type
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # ours -> llama.cpp's file
+CONVERTED = ("float32", "bfloat16", "int8")  # written by convert_hf_to_gguf.py; int4 by the quantizer
 
 
 def gguf_path(checkpoint: Path, dtype: str) -> Path:
@@ -50,7 +54,7 @@ def time_llamacpp(checkpoint: Path, dtype: str, prompt: list[int], n: int, threa
 
 
 def convert(checkpoint: Path, llama_cpp: Path | None) -> None:
-    """Write gguf/{f32,bf16,q8_0}.gguf next to the checkpoint with llama.cpp's converter."""
+    """Write gguf/{f32,bf16,q8_0}.gguf next to the checkpoint with llama.cpp's converter, then q4_0.gguf."""
     script = find_converter(llama_cpp)
     source = Path(checkpoint)
     with_tokenizer = source.parent / (source.name + "-with-tokenizer")
@@ -66,12 +70,28 @@ def convert(checkpoint: Path, llama_cpp: Path | None) -> None:
                 (with_tokenizer / f.name).symlink_to(f.resolve())
         build_real_vocab_tokenizer(with_tokenizer)
     (source / "gguf").mkdir(exist_ok=True)
-    for dtype, kind in GGUF_TYPES.items():
+    for dtype in CONVERTED:
         out = gguf_path(source, dtype)
         if not out.exists():
-            subprocess.run([sys.executable, str(script), str(with_tokenizer), "--outtype", kind, "--outfile", str(out)],
-                           check=True, env=converter_env(script))  # fmt: skip
+            subprocess.run([sys.executable, str(script), str(with_tokenizer), "--outtype", GGUF_TYPES[dtype], "--outfile",
+                            str(out)], check=True, env=converter_env(script))  # fmt: skip
         print(f"{out} ({out.stat().st_size / 1e9:.2f} GB)")
+    out = gguf_path(source, "int4")
+    if not out.exists():
+        quantize_q4_0(gguf_path(source, "bfloat16"), out)
+    print(f"{out} ({out.stat().st_size / 1e9:.2f} GB)")
+
+
+def quantize_q4_0(source: Path, out: Path) -> None:
+    """llama.cpp's own quantizer, with its default choices for Q4_0 (as `llama-quantize IN OUT Q4_0`)."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama.cpp could not quantize {source} to Q4_0")
 
 
 def find_converter(llama_cpp: Path | None) -> Path:

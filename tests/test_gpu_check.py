@@ -26,10 +26,10 @@ def dry_run(tmp_path_factory):
     return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
 
 
-def test_dry_run_decodes_bf16_and_int8_and_skips_what_needs_cuda(dry_run):
+def test_dry_run_decodes_bf16_int8_and_int4_and_skips_what_needs_cuda(dry_run):
     report, _ = dry_run
     results = report["steps"]["decode tiny"]["results"]
-    for variant in ("bfloat16/eager", "int8/eager"):
+    for variant in ("bfloat16/eager", "int8/eager", "int4/eager"):
         assert results[variant]["decode_tok_s"] > 0 and len(results[variant]["tokens"]) == 4, results[variant]
     assert results["bfloat16/compiled"] == {"skipped": "CUDA graphs need CUDA"}
     assert "skipped" in report["steps"]["cuda tests"] and "skipped" in report["steps"]["load benchmark"]

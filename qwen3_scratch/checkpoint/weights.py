@@ -30,7 +30,7 @@ from torch import nn
 
 from qwen3_scratch.errors import CheckpointError, printable
 from qwen3_scratch.files import read_json
-from qwen3_scratch.kernels.layout import LAYOUTS, SCHEMES, optimize_layout
+from qwen3_scratch.kernels.layout import DEFAULT_GROUP_SIZE, GROUP_SIZES, LAYOUTS, SCHEMES, optimize_layout
 from qwen3_scratch.model.config import DTYPES, Qwen3Config
 from qwen3_scratch.model.qwen3 import Qwen3
 
@@ -231,18 +231,19 @@ def load_tensor(entry: TensorEntry, device, dtype) -> torch.Tensor:
     return tensor.to(device=device, dtype=dtype)
 
 
-def load_model(path, device="cpu", dtype=torch.float32, optimize=None, quantize=None) -> Qwen3:
+def load_model(path, device="cpu", dtype=torch.float32, optimize=None, quantize=None, quantize_group_size=None) -> Qwen3:
     """Build Qwen3 from a checkpoint folder; returns the model in eval mode on `device` in `dtype`.
 
     optimize: None keeps the checkpoint's layout (the parity suite's reference). After the strict load,
         "decode" lays the model out for one sequence at a time, "batch" for batches (kernels/layout.py);
         either way logits equal the checkpoint layout's up to float rounding.
-    quantize: "int8" stores every matrix as int8 with per-row scales computed now (kernels/quantize.py).
+    quantize: "int8" stores every matrix as int8 with per-row scales computed now (kernels/quantize.py);
+        "int4" as int4 with a scale and zero point per group of quantize_group_size weights (kernels/int4.py).
+    quantize_group_size: 32 (None: the default, as llama.cpp's Q4_0), 64 or 128; int4 only.
     """
     if optimize not in LAYOUTS:
         raise ValueError(f"optimize={optimize!r}: use one of {LAYOUTS}")
-    if quantize is not None and quantize not in SCHEMES:
-        raise CheckpointError(f"--quantize {quantize!r} is not supported; use one of {', '.join(SCHEMES)}")
+    group_size = check_quantize(quantize, quantize_group_size)
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{printable(folder)}: no such checkpoint folder")
@@ -276,7 +277,7 @@ def load_model(path, device="cpu", dtype=torch.float32, optimize=None, quantize=
     _fill(model, entries, device, dtype)
     if tied_head:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return optimize_layout(model, optimize, quantize).eval()
+    return optimize_layout(model, optimize, quantize, group_size).eval()
 
 
 def _fill(model: Qwen3, entries: dict[str, TensorEntry], device, dtype) -> Qwen3:
@@ -288,3 +289,15 @@ def _fill(model: Qwen3, entries: dict[str, TensorEntry], device, dtype) -> Qwen3
         del tensor  # only the model holds the weights now, so a layout transform frees each one it replaces
     model.build_rope_tables(device, dtype)
     return model
+
+
+def check_quantize(quantize: str | None, group_size: int | None) -> int:
+    """The group size to use, after refusing an unknown scheme or a group size it cannot take."""
+    if quantize is not None and quantize not in SCHEMES:
+        raise CheckpointError(f"--quantize {quantize!r} is not supported; use one of {', '.join(SCHEMES)}")
+    if group_size is not None and quantize != "int4":
+        raise CheckpointError(f"--quantize-group-size applies to --quantize int4 only (got --quantize {quantize})")
+    if group_size is not None and group_size not in GROUP_SIZES:
+        raise CheckpointError(f"--quantize-group-size {group_size} is not supported; use one of "
+                              f"{', '.join(map(str, GROUP_SIZES))}")  # fmt: skip
+    return group_size or DEFAULT_GROUP_SIZE

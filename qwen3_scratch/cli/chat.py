@@ -18,7 +18,15 @@ from pathlib import Path
 
 from qwen3_scratch.errors import InputError, Qwen3Error
 
-from .flags import OneLineParser, model_flags, params_from_args, run_cli, sampling_flags
+from .flags import (
+    OneLineParser,
+    check_quantize_flags,
+    model_flags,
+    params_from_args,
+    quantize_flags,
+    run_cli,
+    sampling_flags,
+)
 
 PROG = "qwen3-chat"
 
@@ -36,7 +44,8 @@ HELP = """\
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description="Chat with Qwen3 in the terminal (multi-turn, KV cache reused).")
-    model_flags(p)  # the same model and sampling flags as qwen3-generate
+    model_flags(p)  # the same model, quantization and sampling flags as qwen3-generate
+    quantize_flags(p)
     sampling_flags(p)
     p.set_defaults(max_new_tokens=1024)  # per answer: Qwen3 reasons at length before it answers
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (tests, benchmarks)")
@@ -219,12 +228,14 @@ def read_lines(interactive: bool):
 
 
 def run(args) -> None:
+    check_quantize_flags(args)
     tools = read_tools(args.tools) if args.tools is not None else None
     params = params_from_args(args)  # impossible flags fail here, before the model loads
     from qwen3_scratch.generation.pipeline import Pipeline  # torch: imported inside run_cli's Ctrl-C handling
 
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
-                         revision=args.revision, verify=args.verify)  # fmt: skip
+                         revision=args.revision, verify=args.verify, quantize=args.quantize,
+                         quantize_group_size=args.quantize_group_size)  # fmt: skip
     session = ChatSession(pipe, params, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -4,7 +4,7 @@ the Ctrl-C and error handling around a command's body.
     parser = OneLineParser(prog="qwen3-x"); model_flags(parser); sampling_flags(parser)
     return run_cli("qwen3-x", parser, body)      # body(args): Qwen3Error -> one line, exit 2; Ctrl-C -> 130
 
-Every flag maps to one library parameter: `model_flags` to `Pipeline.load` / `LLM`, `sampling_flags` to
+Every flag maps to one library parameter: `model_flags` and `quantize_flags` to `Pipeline.load` / `LLM`, `sampling_flags` to
 `SamplingParams` (`params_from_args`, which checks each value by the same table as the library,
 `sampling.params.FIELD_CHECKS`, but names the flag). Nothing heavy is imported here, so `--help` is
 instant and every flag is checked before torch loads.
@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from qwen3_scratch.checkpoint.placement import DEFAULT_MODEL, DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES
-from qwen3_scratch.errors import Qwen3Error, printable
+from qwen3_scratch.errors import InputError, Qwen3Error, printable
 
 # SamplingParams field -> the flag that sets it, so an error names what the user typed
 FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
@@ -39,6 +39,21 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=f"{DEVICE_HELP} (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="{auto,bfloat16,float16,float32}",
                    help=f"{DTYPE_HELP} (default %(default)s)")  # fmt: skip
+
+
+def quantize_flags(p: argparse.ArgumentParser) -> None:
+    """Weights quantized at load (kernels/quantize.py, kernels/int4.py); nothing is written to disk."""
+    p.add_argument("--quantize", choices=["int8", "int4"],
+                   help="int8: one scale per row; int4: a scale and zero point per group of weights; computed at "
+                   "load (default: off)")  # fmt: skip
+    p.add_argument("--quantize-group-size", type=int, choices=[32, 64, 128],
+                   help="int4 only: weights per scale and zero point (default: 32, as llama.cpp's Q4_0)")  # fmt: skip
+
+
+def check_quantize_flags(args) -> None:
+    """--quantize-group-size without --quantize int4 is refused before anything loads."""
+    if args.quantize_group_size is not None and args.quantize != "int4":
+        raise InputError("--quantize-group-size applies to --quantize int4 only: add --quantize int4 or drop it")
 
 
 def sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,15 @@ from qwen3_scratch import __version__
 from qwen3_scratch.errors import InputError
 from qwen3_scratch.text.limits import DEFAULT_BATCH_SIZE, MAX_PROMPT_BYTES
 
-from .flags import OneLineParser, model_flags, params_from_args, run_cli, sampling_flags
+from .flags import (
+    OneLineParser,
+    check_quantize_flags,
+    model_flags,
+    params_from_args,
+    quantize_flags,
+    run_cli,
+    sampling_flags,
+)
 from .inputs import MAX_INPUT_BYTES, read_prompts, stdin_waiting
 
 PROG = "qwen3-generate"
@@ -48,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="let Qwen3 think before answering, in chat mode (default: on)")  # fmt: skip
     sampling_flags(p)
-    p.add_argument("--quantize", choices=["int8"], help="int8 weights with per-row scales, computed at load (CPU and CUDA; default: off)")
+    quantize_flags(p)
     p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="decode with the KV cache; --no-kv-cache recomputes everything each step (default: on)")  # fmt: skip
     p.add_argument("--compile", action="store_true",
@@ -70,6 +78,7 @@ def check_template_flags(args) -> None:
 
 def run(args) -> None:
     check_template_flags(args)
+    check_quantize_flags(args)
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     prompts = read_prompts(args.prompt, args.prompts_file, sys.stdin)  # before torch: bad input fails fast
@@ -80,7 +89,8 @@ def run(args) -> None:
     from qwen3_scratch.generation.pipeline import Pipeline
 
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
-                         revision=args.revision, verify=args.verify, quantize=args.quantize, use_cache=args.kv_cache,
+                         revision=args.revision, verify=args.verify, quantize=args.quantize,
+                         quantize_group_size=args.quantize_group_size, use_cache=args.kv_cache,
                          compile=args.compile, measure_bandwidth=args.show_stats)  # fmt: skip
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
     if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls

@@ -14,7 +14,7 @@ import sys
 from qwen3_scratch.errors import Qwen3Error
 from qwen3_scratch.server.limits import BODY_TIMEOUT, MAX_BODY_BYTES  # plain numbers: no FastAPI needed yet
 
-from .flags import OneLineParser, model_flags, run_cli
+from .flags import OneLineParser, check_quantize_flags, model_flags, quantize_flags, run_cli
 
 PROG = "qwen3-serve"
 
@@ -22,6 +22,7 @@ PROG = "qwen3-serve"
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description="Serve a Qwen3 checkpoint with OpenAI's HTTP API.")
     model_flags(p)
+    quantize_flags(p)
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="(default %(default)s)")
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load(args: argparse.Namespace):
     """The LLM the flags describe (checked first, then loaded)."""
+    check_quantize_flags(args)
     for flag in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -56,7 +58,8 @@ def load(args: argparse.Namespace):
     from qwen3_scratch.engine.llm import LLM  # imports torch
 
     return LLM(args.model, weights_dir=args.weights_dir, local_files_only=args.local_files_only, device=args.device,
-               dtype=args.dtype, revision=args.revision, verify=args.verify,
+               dtype=args.dtype, revision=args.revision, verify=args.verify, quantize=args.quantize,
+               quantize_group_size=args.quantize_group_size,
                kv_cache_memory_gib=args.kv_cache_memory_gib, num_blocks=args.num_blocks, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
 

@@ -94,6 +94,8 @@ class LLM:
         verify: bool = False,
         device: str = "auto",
         dtype: str = "auto",
+        quantize: str | None = None,
+        quantize_group_size: int | None = None,
         kv_cache_memory_gib: float = 1.0,
         num_blocks: int | None = None,
         block_size: int = 16,
@@ -103,8 +105,10 @@ class LLM:
         self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                              verify=verify)  # fmt: skip
         device = pick_device(device)
-        # Laid out for batches: q/k/v and gate/up fused, matrices prepacked on a CPU (kernels/fuse.py).
-        self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), optimize="batch")
+        # Laid out for batches: q/k/v and gate/up fused, matrices prepacked on a CPU (kernels/fuse.py), or
+        # quantized: "int8" or "int4" (kernels/quantize.py, kernels/int4.py), computed now.
+        self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), optimize="batch",
+                                quantize=quantize, quantize_group_size=quantize_group_size)  # fmt: skip
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.generation_config = load_generation_config(self.checkpoint)
         self.embedder = Embedder(self.model, self.tokenizer)

@@ -74,7 +74,7 @@ class Pipeline:
 
     @classmethod
     def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto",
-             *, revision=None, verify=False, quantize=None, use_cache=True, compile=False,
+             *, revision=None, verify=False, quantize=None, quantize_group_size=None, use_cache=True, compile=False,
              measure_bandwidth=False) -> "Pipeline":  # fmt: skip
         """Resolve `model` (a folder, or a Hub id downloaded into weights_dir), load it laid out for
         batch-1 decode (kernels/layout.py) on `device` in `dtype` (checkpoint/placement.py's rule)."""
@@ -84,7 +84,8 @@ class Pipeline:
         folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                     verify=verify)  # fmt: skip
         tokenizer = Tokenizer.from_checkpoint(folder)
-        weights = load_model(folder, device, pick_dtype(dtype, device), optimize="decode", quantize=quantize)
+        weights = load_model(folder, device, pick_dtype(dtype, device), optimize="decode", quantize=quantize,
+                             quantize_group_size=quantize_group_size)  # fmt: skip
         return cls(weights, tokenizer, folder, use_cache=use_cache, compile=compile,
                    measure_bandwidth=measure_bandwidth)  # fmt: skip
 
@@ -185,7 +186,8 @@ class Pipeline:
             decode_tokens=decode_tokens,
             batch_size=len(prompts),
             device=str(self.device),
-            dtype=str(self.model.lm_head.weight.dtype).removeprefix("torch."),  # int8 when quantized
+            # int8 or int4 when quantized (an int4 matrix is stored as packed bytes, so its dtype would say uint8)
+            dtype=getattr(self.model.lm_head, "scheme", str(self.model.lm_head.weight.dtype).removeprefix("torch.")),
             peak_memory_bytes=peak_memory_bytes(self.device),
             # the cache grows during decode; its mean length is what a step reads on average
             bytes_per_step=bytes_per_decode_step(self.model, config, width + steps // 2, len(prompts)),

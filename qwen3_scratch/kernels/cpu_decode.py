@@ -10,9 +10,14 @@ inductor, no guards), so a layer is:
     -> [residual + norm] -> gate/up products -> [SwiGLU] -> down product -> residual
 
 The maths is the model's: the kernels trace model.rms_norm, rope.apply_rope and F.silu in the same
-order and dtypes, with eager's roundings to bf16: bf16 logits are bit-identical to the eager layers'
-(tests/test_decode_layouts.py). Everything that is not a batch-1 decode step on a CPU (prefill,
-batches, the GPU) runs DecoderLayer.forward unchanged.
+order and dtypes, with eager's roundings to bf16. One exception, for speed: in bf16 (or fp16), while the
+context is short (at most SHORT_CONTEXT slots attended), attention runs in fp32 over the cache widened
+for the step (`attend_in_fp32`): oneDNN's half-precision batched products for one query cost ~2x the
+fp32 ones at these sizes, more than widening (1, K, S, D) keys and values costs (docs/performance-history.md).
+That path is not bit-identical to the eager layers (its scores are not rounded to bf16): it is held
+to the parity suite's bf16 bounds (16 greedy tokens as transformers'); with it off, bf16 logits are
+bit-identical to the eager layers' (tests/test_decode_layouts.py). Everything that is not a batch-1
+decode step on a CPU (prefill, batches, the GPU) runs DecoderLayer.forward unchanged.
 
 What it buys is modest: bf16 decode at the 0.6B shapes 15.03 -> 15.72 tok/s (median of 8 alternating
 rounds, +5%), int8 +6% (docs/performance.md). The rest of a step that is not weight reads is the
@@ -25,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen3_scratch.model.kv_cache import KVCache, attention_mask
-from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, rms_norm
+from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, one_query_attention, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
 from .matvec import kernel
@@ -46,6 +51,18 @@ def residual_norm(x, y, weight, *, eps: float):
     return x, rms_norm(x, weight, eps)
 
 
+SHORT_CONTEXT = 256  # attended slots up to which half-precision attention runs in fp32 (0: never)
+
+
+def attend_in_fp32(attn, q, k, v, mask, cache, cache_slots):
+    """Attention.attend for one token of one row, in fp32 over keys and values widened for this step:
+    q (1, H, 1, D), k, v (1, K, 1, D) -> (1, 1, H*D) in q's dtype. The cache stays in its own dtype."""
+    keys, values = cache.update(attn.layer_index, k, v, cache_slots)  # (1, K, max_len, D)
+    S = mask.shape[-1]  # the slots attended: as Attention.attend
+    y = one_query_attention(q.float(), keys[:, :, :S].float(), values[:, :, :S].float(), mask)  # (1, H, 1, D)
+    return y.to(q.dtype).view(1, 1, attn.n_heads * attn.head_dim)  # one query row: (1, H, 1, D) is (1, 1, H*D)
+
+
 def swiglu(gate, up):
     return F.silu(gate) * up  # (1, 1, F)
 
@@ -62,7 +79,9 @@ class CPUDecoderLayer(DecoderLayer):
         q, k, v = attn.project_qkv(h)  # (1, 1, H*D), (1, 1, K*D), (1, 1, K*D)
         shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
         q, k, v = self.kernel(heads, q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, **shape)
-        y = attn.o_proj(attn.attend(q, k, v, mask, cache, cache_slots))  # (1, 1, C)
+        short = q.dtype != torch.float32 and mask is not None and mask.shape[-1] <= SHORT_CONTEXT
+        attend = attend_in_fp32 if short else type(attn).attend
+        y = attn.o_proj(attend(attn, q, k, v, mask, cache, cache_slots))  # (1, 1, C)
         x, h = self.kernel(residual_norm, x, y, self.post_attention_layernorm.weight, eps=eps)
         if not isinstance(mlp, MLP):  # a mixture of experts keeps its own forward (model/moe.py)
             return x + mlp(h)

@@ -13,21 +13,24 @@ nothing touches the checkpoint's keys: every transform swaps modules in memory, 
             and every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has
             many rows.
 Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch".
-`quantize="int8"` stores every matrix as int8 with per-row scales (quantize.py), in either layout.
+`quantize="int8"` stores every matrix as int8 with per-row scales (quantize.py), `quantize="int4"` as int4
+with a scale and zero point per group of `group_size` weights (int4.py), in either layout.
 """
 
 from qwen3_scratch.model.qwen3 import Qwen3
 
 from .cpu_decode import use_cpu_decoder_layers
 from .fuse import fuse_projections, prepack_for_cpu
+from .int4 import DEFAULT_GROUP_SIZE, GROUP_SIZES
 from .matvec import can_use_matvec, use_matvec
 from .quantize import SCHEMES, quantize_model
 
 LAYOUTS = (None, "decode", "batch")
-__all__ = ["LAYOUTS", "SCHEMES", "optimize_layout"]
+__all__ = ["DEFAULT_GROUP_SIZE", "GROUP_SIZES", "LAYOUTS", "SCHEMES", "optimize_layout"]
 
 
-def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None) -> Qwen3:
+def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None,
+                    group_size: int = DEFAULT_GROUP_SIZE) -> Qwen3:  # fmt: skip
     """Lay `model` out for `optimize` (see the module docstring) and quantize it, in place."""
     cpu_decode = optimize == "decode" and can_use_matvec(model)
     if cpu_decode and quantize is None:
@@ -36,7 +39,7 @@ def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None) ->
         if optimize:
             fuse_projections(model)
         if quantize is not None:
-            quantize_model(model, quantize)  # its one-row products on a CPU are compiled loops too
+            quantize_model(model, quantize, group_size)  # its one-row products on a CPU are compiled loops too
         if optimize:
             prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
     if cpu_decode:

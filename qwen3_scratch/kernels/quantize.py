@@ -1,4 +1,4 @@
-"""int8 weight-only quantization, computed at load time (nothing is written to disk).
+"""int8 weight-only quantization, computed at load time (nothing is written to disk); int4 is in int4.py.
 
 Batch-1 decode reads every weight once per token, so halving the bytes of bf16 (or quartering fp32)
 is close to that much faster. Weight-only: activations stay in the model's dtype, only the matrices
@@ -21,9 +21,10 @@ from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch.model.qwen3 import Qwen3
 
 from .fuse import replace_linears
+from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
 from .matvec import kernel, matvec_int8, one_row, unavailable_reason
 
-SCHEMES = ("int8",)
+SCHEMES = ("int8", "int4")  # int4: group-wise scales and zero points, int4.py
 
 
 def quantize_rows(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +44,8 @@ def quantize_rows(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[tor
 
 class Int8Linear(nn.Module):
     """y = (x @ q.T) * scales, with q int8 (N, K) and scales (N,) in the activations' dtype."""
+
+    scheme = "int8"
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()
@@ -73,12 +76,18 @@ class Int8Linear(nn.Module):
 
 
 @torch.no_grad()
-def quantize_model(model: Qwen3, scheme: str = "int8") -> Qwen3:
-    """Replace every nn.Linear by an Int8Linear, in place, one matrix at a time (never a full copy)."""
+def quantize_model(model: Qwen3, scheme: str = "int8", group_size: int = DEFAULT_GROUP_SIZE) -> Qwen3:
+    """Replace every nn.Linear by an Int8Linear (or an Int4Linear of `group_size`), in place, one matrix at
+    a time (never a full copy)."""
     if scheme not in SCHEMES:
         raise CheckpointError(f"--quantize {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
     dtype = model.model.embed_tokens.weight.dtype
-    return replace_linears(model, lambda linear: Int8Linear(linear, dtype))
+    if scheme == "int8":
+        return replace_linears(model, lambda linear: Int8Linear(linear, dtype))
+    for name, module in model.named_modules():  # every matrix checked before any is replaced
+        if isinstance(module, nn.Linear):
+            check_group_size(group_size, module.in_features, name)
+    return replace_linears(model, lambda linear: Int4Linear(linear, dtype, group_size))
 
 
 def dequantized_weight(layer: Int8Linear) -> torch.Tensor:

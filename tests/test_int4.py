@@ -1,0 +1,157 @@
+"""int4 weights (kernels/int4.py) compute what they claim: the model whose matrices are the same int4 codes
+dequantized, to the suite's fp32 bar, in a prompt and in decode steps; and they load, generate, chat and
+serve through every entry point (CLI, chat, LLM, the server). Speed is in scripts/benchmark.py."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import uvicorn
+from checkpoints import assert_logits_match, build_checkpoint
+from cli_helpers import assert_one_line_error, cli
+from make_tiny_checkpoint import make_tiny_checkpoint
+from torch import nn
+
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.cli.serve import build_parser as serve_parser
+from qwen3_scratch.cli.serve import load as serve_load
+from qwen3_scratch.errors import CheckpointError
+from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, generate_tokens
+from qwen3_scratch.kernels.int4 import Int4Linear, dequantize, quantize_groups
+from qwen3_scratch.sampling.logits import LogitsFilter
+from qwen3_scratch.sampling.params import SamplingParams
+from qwen3_scratch.server.app import build_app
+from qwen3_scratch.server.async_engine import AsyncEngine
+
+GREEDY = LogitsFilter(temperature=0.0)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("int4"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("int4-cli") / "tiny-qwen3")
+
+
+def dequantized_reference(path, dtype, group_size):
+    """The plain fp32 model with each matrix replaced by its int4 codes dequantized (scales and zero points
+    rounded to `dtype`, as the int4 layers keep them): what the int4 products must equal."""
+    model = load_model(path, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is nn.Linear:
+                codes, scales_and_zeros = quantize_groups(module.weight, group_size)
+                module.weight = nn.Parameter(dequantize(codes, scales_and_zeros.to(dtype)), requires_grad=False)
+    return model
+
+
+def prompt_and_steps(model, tokens, prompt_len):
+    """Next-token logits (steps, V) for positions prompt_len-1.., the rest fed one token per decode step."""
+    loop = CachedLoop(model, PaddedBatch.left_pad([tokens[:prompt_len]], 0, "cpu"), len(tokens) - prompt_len)
+    logits = [loop.start()]
+    for token in tokens[prompt_len:]:
+        logits.append(loop.step(torch.tensor([token])))
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("optimize", [None, "decode", "batch"])
+def test_int4_fp32_logits_equal_the_dequantized_weights_reference(tied, optimize):
+    model = load_model(tied, dtype=torch.float32, quantize="int4", optimize=optimize)
+    assert isinstance(model.lm_head, Int4Linear) and model.lm_head.weight.dtype == torch.uint8
+    assert model.model.embed_tokens.weight.dtype == torch.float32, "the embedding lookup stays unquantized"
+    reference = dequantized_reference(tied, torch.float32, 32)
+    x = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    expected = reference(x)
+    assert_logits_match(model(x), expected, f"int4, optimize={optimize}, prefill")
+    tokens = x[0].tolist()
+    assert_logits_match(prompt_and_steps(model, tokens, 30), expected[0, 29:], f"int4, optimize={optimize}, decode steps")
+
+
+def test_int4_bf16_logits_stay_within_bf16_rounding_of_the_reference(tmp_path):
+    """With bf16 activations (the fast path on a CPU) the same products, rounded to bf16 along the way;
+    group 64 here, on a checkpoint whose every matrix it divides."""
+    path = build_checkpoint(tmp_path, intermediate_size=192)
+    model = load_model(path, dtype=torch.bfloat16, quantize="int4", quantize_group_size=64, optimize="decode")
+    reference = dequantized_reference(path, torch.bfloat16, 64)
+    x = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(2))
+    ours, theirs = model(x).float(), reference(x)
+    worst = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    assert worst < 0.06, f"bf16 int4 logits differ from the fp32 dequantized reference by {worst:.3g} of the largest"
+
+
+def test_int4_groups_round_trip_within_half_a_step():
+    w = torch.randn(96, 128) * torch.linspace(0.01, 3, 128)  # groups of very different ranges
+    codes, scales_and_zeros = quantize_groups(w, 32)
+    assert codes.min() == 0 and codes.max() == 15, "each group's min and max must map to codes 0 and 15"
+    step = scales_and_zeros[..., 0].t().repeat_interleave(32, dim=1)  # (N, K): each weight's group scale
+    error = (dequantize(codes, scales_and_zeros) - w).abs()
+    assert (error <= step / 2 * (1 + 1e-5) + 1e-7).all(), "a weight rounded to more than half a step away"
+
+
+def test_a_group_size_that_does_not_divide_a_matrix_is_refused_naming_it(tied):
+    with pytest.raises(CheckpointError, match=r"--quantize-group-size 64 does not divide the 160 inputs of model\.layers\.0\.mlp\.down_proj"):
+        load_model(tied, quantize="int4", quantize_group_size=64)
+    with pytest.raises(CheckpointError, match="--quantize-group-size applies to --quantize int4 only"):
+        load_model(tied, quantize="int8", quantize_group_size=32)
+
+
+def test_quantize_int4_generates_from_the_cli_and_misused_flags_fail_in_one_line(tiny, capsys):
+    code, _, err = cli(capsys, "--model", tiny, "--prompt", "Hi", "--max-new-tokens", "6", "--ignore-eos",
+                       "--temperature", "0", "--quantize", "int4", "--show-stats")  # fmt: skip
+    assert code == 0, err
+    pairs = dict(item.split("=", 1) for item in err.strip().splitlines()[-1].split())
+    assert pairs["generated_tokens"] == "6" and pairs["dtype"] == "int4", "int4 must load and generate"
+    code, _, err = cli(capsys, "--model", tiny, "--prompt", "Hi", "--quantize-group-size", "64")
+    assert_one_line_error(code, err, "--quantize-group-size applies to --quantize int4 only")
+
+
+def test_chat_answers_with_int4_weights(tiny):
+    result = subprocess.run(
+        [sys.executable, "-m", "qwen3_scratch.chat", "--model", str(tiny), "--max-new-tokens", "5", "--ignore-eos",
+         "--temperature", "0", "--quantize", "int4", "--quantize-group-size", "32"],
+        input="Hello!\n/stats\n", capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert result.returncode == 0 and "generated_tokens=5" in result.stdout, result.stdout + result.stderr
+
+
+def test_llm_and_server_with_int4_answer_as_the_simple_loop(tiny):
+    """qwen3-serve --quantize int4 loads an int4 LLM (serving's layout); LLM.generate and a completion over
+    HTTP, from the real openai client, give the simple loop's greedy text on the same int4 model."""
+    llm = serve_load(serve_parser().parse_args(["--model", str(tiny), "--quantize", "int4", "--num-blocks", "64"]))
+    assert isinstance(llm.model.lm_head, Int4Linear)
+    prompt = "def greet(name"
+    alone = [int(t[0]) for t in generate_tokens(llm.model, [llm.tokenizer.encode(prompt)], 8, GREEDY, llm.eos_ids)]
+    expected = llm.tokenizer.decode(alone, skip_special_tokens=True)
+    offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert offline.token_ids == alone, "LLM.generate with int4 weights differs from the simple loop"
+    engine = AsyncEngine(llm.engine).start()
+    app = build_app(engine, llm.tokenizer, "tiny", llm.get_default_sampling_params())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "the server thread died while starting"
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    finally:
+        server.should_exit = True
+        thread.join()
+        engine.stop()
+    assert reply.choices[0].text == expected, "the int4 server's completion differs from the simple loop"
