@@ -224,7 +224,8 @@ def run(args) -> None:
     from qwen3_scratch.generation.pipeline import Pipeline  # torch: imported inside run_cli's Ctrl-C handling
 
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
-                         revision=args.revision, verify=args.verify)  # fmt: skip
+                         revision=args.revision, verify=args.verify,
+                         tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     session = ChatSession(pipe, params, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -39,6 +39,9 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=f"{DEVICE_HELP} (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="{auto,bfloat16,float16,float32}",
                    help=f"{DTYPE_HELP} (default %(default)s)")  # fmt: skip
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N processes (one per GPU; on a CPU they share its cores), e.g. 8 for "
+                        "Qwen3-235B-A22B on 8 GPUs (default %(default)s)")  # fmt: skip
 
 
 def sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load(args: argparse.Namespace):
     """The LLM the flags describe (checked first, then loaded)."""
-    for flag in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
+    for flag in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes",
+                 "tensor_parallel_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise Qwen3Error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -58,7 +59,8 @@ def load(args: argparse.Namespace):
     return LLM(args.model, weights_dir=args.weights_dir, local_files_only=args.local_files_only, device=args.device,
                dtype=args.dtype, revision=args.revision, verify=args.verify,
                kv_cache_memory_gib=args.kv_cache_memory_gib, num_blocks=args.num_blocks, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> int:
