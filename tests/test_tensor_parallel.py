@@ -111,8 +111,9 @@ def test_a_killed_rank_ends_the_parent_in_one_line(checkpoints):
     try:
         assert parent.stdout.read(1), "no token came out"  # generating: rank 1 is busy in the collectives
         children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
-        workers = [int(pid) for pid in children if "qwen3" in Path(f"/proc/{pid}/cmdline").read_text() or True]
-        os.kill(workers[-1], signal.SIGKILL)
+        workers = [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 1, f"expected one spawned rank among the children {children}"
+        os.kill(workers[0], signal.SIGKILL)
         start = time.monotonic()
         _, err = parent.communicate(timeout=60)
     finally:

@@ -19,30 +19,32 @@ groups are the same, only the rendezvous differs (MASTER_ADDR/MASTER_PORT from t
 import atexit
 import os
 import socket
-from datetime import timedelta
+import sys
+from multiprocessing import resource_tracker
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .plan import ParallelError
+from .ranks import DEFAULT_TIMEOUT_S, init_groups, rank_device
+from .worker import worker_main
 
-DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer means a rank hung; loading a shard is not one
-CONTROL_TIMEOUT = timedelta(days=365)  # workers idle between steps: only a death should end that wait
 _GROUP: "ParallelGroup | None" = None
 
 
-def init_groups(rank: int, world: int, address: str, port: int, device_type: str, timeout_s: float):
-    """Join both groups (every rank calls this); returns the control group."""
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+def start_quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker without its warning about a killed worker's semaphores.
 
-
-def rank_device(device: str, rank: int) -> torch.device:
-    """Each rank's own device: cuda:rank on GPUs, the CPU otherwise."""
-    return torch.device(f"cuda:{rank}") if device.startswith("cuda") else torch.device("cpu")
+    A worker that is killed cannot release what it registered; the tracker releases it, then warns in
+    three lines of its own, which would follow the run's one-line error. The filter applies to the
+    tracker process alone (it takes its -W options from ours when it starts)."""
+    saved = list(sys.warnoptions)
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions[:] = saved
 
 
 def free_port() -> int:
@@ -55,12 +57,11 @@ class ParallelGroup:
     """Rank 0's handle on the run: the worker processes, the control group, and whether it still works."""
 
     def __init__(self, world: int, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, threads: int | None = None):
-        from .worker import worker_main  # the workers' loop; imported here so that spawn finds it by name
-
         self.world, self.device, self.timeout_s = world, device, timeout_s
         self.broken: str | None = None  # why the group cannot be used any more
         threads = threads or max(1, (os.cpu_count() or 1) // world)
         torch.set_num_threads(threads)  # rank 0 too: N ranks share the machine's cores
+        start_quiet_resource_tracker()
         port, context = free_port(), mp.get_context("spawn")
         self.workers = [context.Process(target=worker_main, name=f"qwen3-tp-rank{rank}",
                                         args=(rank, world, "127.0.0.1", port, device, timeout_s, threads))

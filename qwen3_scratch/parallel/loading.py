@@ -100,7 +100,7 @@ def load_shard(folder, rank: int, world: int, device="cpu", dtype=torch.float32,
         key = checkpoint_name(name)
         if tied and key == "lm_head.weight":
             continue  # the embedding's rows, tied below
-        tensor = read_part(entries[key], plan, key).to(device=device, dtype=dtype)
+        tensor = read_part(entries[key], plan, key).to(device=device, dtype=dtype).contiguous()  # column slices are strided
         if key == "model.embed_tokens.weight" or key == "lm_head.weight":
             tensor = pad_rows(tensor, plan.vocab_rows)
         module_name, _, attr = name.rpartition(".")

@@ -22,9 +22,10 @@ from qwen3_scratch.model.config import Qwen3Config
 from qwen3_scratch.model.kv_cache import KVCache, attention_mask
 from qwen3_scratch.model.qwen3 import Qwen3
 
-from .group import DEFAULT_TIMEOUT_S, ParallelGroup, get_group, rank_device
+from .group import ParallelGroup, get_group
 from .loading import load_shard, read_checked_entries
 from .plan import ParallelError
+from .ranks import DEFAULT_TIMEOUT_S, rank_device
 from .worker import CacheSpec, Step
 
 _KEYS = itertools.count()

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from qwen3_scratch.model.kv_cache import KVCache
 
-from .group import init_groups, rank_device
 from .loading import load_shard
+from .ranks import init_groups, rank_device
 
 
 @dataclass
