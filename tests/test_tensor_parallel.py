@@ -122,3 +122,29 @@ def test_a_killed_rank_ends_the_parent_in_one_line(checkpoints):
     assert parent.returncode == 2, f"exit code {parent.returncode}; stderr: {lines}"
     assert len(lines) == 1 and "rank 1 was killed by signal 9" in lines[0], lines
     assert time.monotonic() - start < 30
+
+
+HUNG_RANK = """
+import os, signal, sys, time, torch
+from qwen3_scratch.errors import Qwen3Error
+from qwen3_scratch.parallel.model import load_parallel_model
+
+model = load_parallel_model(sys.argv[1], 2, timeout_s=3)
+model(torch.tensor([[1, 2, 3]]))
+os.kill(model.group.workers[0].pid, signal.SIGSTOP)  # alive, but it will never answer
+start = time.monotonic()
+try:
+    model(torch.tensor([[1, 2, 3]]))
+except Qwen3Error as error:
+    print(f"{time.monotonic() - start:.1f}", error)
+"""
+
+
+def test_a_hung_rank_ends_the_forward_after_the_collective_timeout(checkpoints):
+    """SIGSTOP rank 1: rank 0's collective gives up after timeout_s (3 s here), in one line, and the process
+    exits (the stopped worker is killed, not waited for)."""
+    run = subprocess.run([sys.executable, "-c", HUNG_RANK, str(checkpoints["dense"])], capture_output=True,
+                         text=True, timeout=90, cwd=ROOT)  # fmt: skip
+    seconds, _, message = run.stdout.strip().partition(" ")
+    assert "did not answer within 3 s" in message, (run.stdout, run.stderr[-2000:])
+    assert float(seconds) < 20, f"the forward took {seconds} s to give up"

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .plan import ParallelError
-from .ranks import DEFAULT_TIMEOUT_S, init_groups, rank_device
+from .plan import FLAG, ParallelError
+from .ranks import DEFAULT_TIMEOUT_S, init_groups, torchrun_ranks
 from .worker import worker_main
 
 _GROUP: "ParallelGroup | None" = None
@@ -56,20 +56,23 @@ def free_port() -> int:
 class ParallelGroup:
     """Rank 0's handle on the run: the worker processes, the control group, and whether it still works."""
 
-    def __init__(self, world: int, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, threads: int | None = None):
+    def __init__(self, world: int, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, launched: bool = False):
+        """launched: torchrun started the other ranks (on this machine or others); else spawn them here."""
         self.world, self.device, self.timeout_s = world, device, timeout_s
         self.broken: str | None = None  # why the group cannot be used any more
-        threads = threads or max(1, (os.cpu_count() or 1) // world)
-        torch.set_num_threads(threads)  # rank 0 too: N ranks share the machine's cores
-        start_quiet_resource_tracker()
-        port, context = free_port(), mp.get_context("spawn")
-        self.workers = [context.Process(target=worker_main, name=f"qwen3-tp-rank{rank}",
-                                        args=(rank, world, "127.0.0.1", port, device, timeout_s, threads))
-                        for rank in range(1, world)]  # fmt: skip
-        for process in self.workers:
-            process.start()
+        self.workers, init_method = [], "env://"
+        if not launched:
+            threads = max(1, (os.cpu_count() or 1) // world)
+            torch.set_num_threads(threads)  # rank 0 too: N ranks share the machine's cores
+            start_quiet_resource_tracker()
+            init_method, context = f"tcp://127.0.0.1:{free_port()}", mp.get_context("spawn")
+            self.workers = [context.Process(target=worker_main, name=f"qwen3-tp-rank{rank}",
+                                            args=(rank, world, init_method, device, timeout_s, threads))
+                            for rank in range(1, world)]  # fmt: skip
+            for process in self.workers:
+                process.start()
         try:
-            self.control = init_groups(0, world, "127.0.0.1", port, rank_device(device, 0).type, timeout_s)
+            self.control = init_groups(0, world, init_method, "cuda" if device.startswith("cuda") else "cpu", timeout_s)
         except Exception as error:
             self.fail(error, "starting")
         atexit.register(self.close)
@@ -131,13 +134,24 @@ def describe_failure(workers, error: BaseException | None, timeout_s: float) -> 
 
 
 def get_group(world: int, device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelGroup:
-    """The process's one tensor-parallel group of `world` ranks, started on first use."""
+    """The process's one tensor-parallel group of `world` ranks, started on first use.
+
+    Under torchrun every process runs the same command; the ones with RANK > 0 become workers here, at
+    the point where rank 0 loads the model, and exit when rank 0 stops."""
     global _GROUP
+    launched = torchrun_ranks()
+    if launched is not None:
+        rank, started, local_rank = launched
+        if started != world:
+            raise ParallelError(f"{FLAG} {world}, but torchrun started {started} processes; make them equal")
+        if rank > 0:
+            worker_main(rank, world, "env://", device, timeout_s, local_rank=local_rank)
+            sys.exit(0)
     if _GROUP is not None and (_GROUP.world != world or _GROUP.device != device or _GROUP.broken):
         if not _GROUP.broken:
             raise ParallelError(f"this process already runs --tensor-parallel-size {_GROUP.world} on {_GROUP.device}; "
                                 "one size per process")  # fmt: skip
         _GROUP = None
     if _GROUP is None:
-        _GROUP = ParallelGroup(world, device, timeout_s)
+        _GROUP = ParallelGroup(world, device, timeout_s, launched=launched is not None)
     return _GROUP

@@ -111,7 +111,7 @@ def load_parallel_model(path, world: int, device="cpu", dtype=torch.float32, opt
         raise Qwen3Error(f"{folder}: no such checkpoint folder")
     config = Qwen3Config.from_json(folder / "config.json")
     read_checked_entries(folder, config, world)
-    group = get_group(world, str(device))
+    group = get_group(world, str(device), timeout_s)
     key = next(_KEYS)
     group.send(("load", key, str(folder), str(device), dtype, optimize, quantize))
     try:

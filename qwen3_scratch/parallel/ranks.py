@@ -5,6 +5,7 @@ torchrun). The compute group carries the model's collectives with a timeout on e
 carries rank 0's step descriptions and waits as long as rank 0 idles (group.py says why).
 """
 
+import os
 from datetime import timedelta
 
 import torch
@@ -14,14 +15,24 @@ DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer means a rank hung; l
 CONTROL_TIMEOUT = timedelta(days=365)  # workers idle between steps: only a death should end that wait
 
 
-def init_groups(rank: int, world: int, address: str, port: int, device_type: str, timeout_s: float):
-    """Join both groups (every rank calls this); returns the control group."""
+def init_groups(rank: int, world: int, init_method: str, device_type: str, timeout_s: float):
+    """Join both groups (every rank calls this); returns the control group.
+
+    init_method: "tcp://127.0.0.1:PORT" for spawned workers, "env://" under torchrun (MASTER_ADDR, MASTER_PORT)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    # Each rank's timeout is its own: rank 0's sends give up like any collective, a worker's wait does not.
+    return dist.new_group(backend="gloo", timeout=timeout if rank == 0 else CONTROL_TIMEOUT)
 
 
-def rank_device(device: str, rank: int) -> torch.device:
-    """Each rank's own device: cuda:rank on GPUs, the CPU otherwise."""
-    return torch.device(f"cuda:{rank}") if device.startswith("cuda") else torch.device("cpu")
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """Each rank's own device: cuda:local_rank (its GPU on its machine) on GPUs, the CPU otherwise."""
+    return torch.device(f"cuda:{local_rank}") if device.startswith("cuda") else torch.device("cpu")
+
+
+def torchrun_ranks() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when torchrun started this process, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))

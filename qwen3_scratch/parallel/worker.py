@@ -85,12 +85,14 @@ def run_step(models: dict, caches: dict, step: Step, device) -> None:
           last_only=step.last_only)  # fmt: skip  # the logits are rank 0's; here only the collectives matter
 
 
-def worker_main(rank, world, address, port, device, timeout_s, threads) -> None:
-    torch.set_num_threads(threads)
-    own = rank_device(device, rank)
+def worker_main(rank, world, init_method, device, timeout_s, threads=None, local_rank=None) -> None:
+    """Serve rank 0 until it says stop (then return) or dies (then exit at once)."""
+    if threads:
+        torch.set_num_threads(threads)
+    own = rank_device(device, rank if local_rank is None else local_rank)
     if own.type == "cuda":
         torch.cuda.set_device(own)
-    control = init_groups(rank, world, address, port, own.type, timeout_s)
+    control = init_groups(rank, world, init_method, own.type, timeout_s)
     models, caches = {}, {}
     while True:
         box = [None]
