@@ -6,6 +6,7 @@ logits within 1e-5 relative (the all-reduce sums in another order), greedy token
 the simple loops, a multi-turn chat whose cache grows, and the engine's continuous batching.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from qwen3_scratch import load_model
 from qwen3_scratch.engine.llm import LLM
 from qwen3_scratch.generation.loops import generate_tokens
 from qwen3_scratch.generation.pipeline import Pipeline
+from qwen3_scratch.model.sizes import all_sizes, moe_parameter_counts, parameter_count, per_rank_bytes
 from qwen3_scratch.parallel.group import get_group
 from qwen3_scratch.parallel.model import load_parallel_model
 from qwen3_scratch.parallel.plan import ParallelError
@@ -93,6 +95,21 @@ def test_engine_under_two_ranks_gives_the_simple_loops_answers(checkpoints, mode
     for prompt, out in zip(prompts, outs):
         expected = torch.stack(list(generate_tokens(one, [prompt], 12))).flatten().tolist()
         assert out.outputs[0].token_ids == expected, f"prompt {prompt[:5]}...: the engine under TP=2 diverged"
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_per_rank_sizes_count_what_a_rank_really_holds(checkpoints, models, kind):
+    """model/sizes.py's per-rank arithmetic (the README's table) against the parameters a loaded rank holds."""
+    config = json.loads((checkpoints[kind] / "config.json").read_text())
+    held = sum(p.numel() * p.element_size() for p in models[kind][1].parameters())  # fp32, a tied head once
+    assert per_rank_bytes(config, 2, bytes_per_value=4)[0] == held
+
+
+def test_per_rank_sizes_at_one_rank_are_the_published_parameter_counts():
+    for name, config in all_sizes().items():
+        total = moe_parameter_counts(config)[0] if "num_experts" in config else parameter_count(name)
+        assert per_rank_bytes(config, 1, bytes_per_value=1)[0] == total, name
+    assert per_rank_bytes(all_sizes()["14B"], 16) is None  # 40 query heads over 16 ranks
 
 
 def test_a_size_that_cannot_split_the_model_is_refused_in_one_line(checkpoints):
