@@ -72,7 +72,8 @@ class ParallelGroup:
             for process in self.workers:
                 process.start()
         try:
-            self.control = init_groups(0, world, init_method, "cuda" if device.startswith("cuda") else "cpu", timeout_s)
+            device_type = "cuda" if device.startswith("cuda") else "cpu"
+            self.control, self.loading = init_groups(0, world, init_method, device_type, timeout_s)
         except Exception as error:
             self.fail(error, "starting")
         atexit.register(self.close)
@@ -88,9 +89,8 @@ class ParallelGroup:
     def check(self) -> None:
         if self.broken:
             raise ParallelError(self.broken)
-        for rank, process in enumerate(self.workers, start=1):
-            if process.exitcode is not None:
-                self.fail(None, "between steps")
+        if any(process.exitcode is not None for process in self.workers):
+            self.fail(None, "between steps")
 
     def fail(self, error: BaseException | None, doing: str):
         """Mark the group broken, end the workers, raise one line naming what happened."""

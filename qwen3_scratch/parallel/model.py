@@ -25,7 +25,7 @@ from qwen3_scratch.model.qwen3 import Qwen3
 from .group import ParallelGroup, get_group
 from .loading import load_shard, read_checked_entries
 from .plan import ParallelError
-from .ranks import DEFAULT_TIMEOUT_S, rank_device
+from .ranks import DEFAULT_TIMEOUT_S, loaded, rank_device
 from .worker import CacheSpec, Step
 
 _KEYS = itertools.count()
@@ -116,7 +116,8 @@ def load_parallel_model(path, world: int, device="cpu", dtype=torch.float32, opt
     group.send(("load", key, str(folder), str(device), dtype, optimize, quantize))
     try:
         shard = load_shard(folder, 0, world, rank_device(str(device), 0), dtype, optimize, quantize)
-    except RuntimeError as error:  # a collective (the layout's warm-up step) failed: a worker died loading
+        loaded(group.loading)  # every rank holds its shard: the first step finds them all listening
+    except RuntimeError as error:  # a collective failed (the layout's warm-up step, loaded): a worker died loading
         group.fail(error, "loading")
     except Exception:
         group.close()

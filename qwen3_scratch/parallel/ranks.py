@@ -13,17 +13,27 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer means a rank hung; loading a shard is not one
 CONTROL_TIMEOUT = timedelta(days=365)  # workers idle between steps: only a death should end that wait
+LOAD_TIMEOUT = timedelta(hours=2)  # ranks wait for each other to finish loading: a 235B shard is minutes of disk
 
 
 def init_groups(rank: int, world: int, init_method: str, device_type: str, timeout_s: float):
-    """Join both groups (every rank calls this); returns the control group.
+    """Join the groups (every rank calls this); returns (control group, loaded group).
+
+    The loaded group holds one all-reduce after each load (`loaded`), so that no rank sends a step to a
+    rank still reading its shard, with a timeout as long as a load may take.
 
     init_method: "tcp://127.0.0.1:PORT" for spawned workers, "env://" under torchrun (MASTER_ADDR, MASTER_PORT)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     # Each rank's timeout is its own: rank 0's sends give up like any collective, a worker's wait does not.
-    return dist.new_group(backend="gloo", timeout=timeout if rank == 0 else CONTROL_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else CONTROL_TIMEOUT)
+    return control, dist.new_group(backend="gloo", timeout=LOAD_TIMEOUT)
+
+
+def loaded(group) -> None:
+    """Every rank has its shard (or one died loading, and this raises in the others)."""
+    dist.all_reduce(torch.zeros(1), group=group)
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:

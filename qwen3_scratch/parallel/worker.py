@@ -23,7 +23,7 @@ import torch.distributed as dist
 from qwen3_scratch.model.kv_cache import KVCache
 
 from .loading import load_shard
-from .ranks import init_groups, rank_device
+from .ranks import init_groups, loaded, rank_device
 
 
 @dataclass
@@ -92,7 +92,7 @@ def worker_main(rank, world, init_method, device, timeout_s, threads=None, local
     own = rank_device(device, rank if local_rank is None else local_rank)
     if own.type == "cuda":
         torch.cuda.set_device(own)
-    control = init_groups(rank, world, init_method, own.type, timeout_s)
+    control, loading = init_groups(rank, world, init_method, own.type, timeout_s)
     models, caches = {}, {}
     while True:
         box = [None]
@@ -107,6 +107,7 @@ def worker_main(rank, world, init_method, device, timeout_s, threads=None, local
             if message[0] == "load":
                 key, folder, dev, dtype, optimize, quantize = message[1:]
                 models[key] = load_shard(folder, rank, world, own, dtype, optimize, quantize)
+                loaded(loading)
             elif message[0] == "forward":
                 with torch.no_grad():
                     run_step(models, caches, message[1], own)
