@@ -112,6 +112,25 @@ def test_per_rank_sizes_at_one_rank_are_the_published_parameter_counts():
     assert per_rank_bytes(all_sizes()["14B"], 16) is None  # 40 query heads over 16 ranks
 
 
+def test_the_server_answers_from_two_ranks_as_from_one(checkpoints, group):
+    from fastapi.testclient import TestClient
+
+    from qwen3_scratch.server.app import build_app
+    from qwen3_scratch.server.async_engine import AsyncEngine
+
+    request = {"model": "tiny", "prompt": [5, 17, 99, 3], "max_tokens": 10, "temperature": 0}
+    texts = []
+    for n in (1, 2):
+        llm = LLM(str(checkpoints["dense"]), dtype="float32", tensor_parallel_size=n, num_blocks=32)
+        engine = AsyncEngine(llm.engine).start()
+        try:
+            with TestClient(build_app(engine, llm.tokenizer, "tiny", llm.get_default_sampling_params())) as client:
+                texts.append(client.post("/v1/completions", json=request).json()["choices"][0]["text"])
+        finally:
+            engine.stop()
+    assert texts[1] == texts[0] and texts[0]
+
+
 def test_a_size_that_cannot_split_the_model_is_refused_in_one_line(checkpoints):
     with pytest.raises(ParallelError) as caught:
         load_parallel_model(checkpoints["dense"], 3)
