@@ -131,11 +131,15 @@ def test_the_server_answers_from_two_ranks_as_from_one(checkpoints, group):
     assert texts[1] == texts[0] and texts[0]
 
 
-def test_a_size_that_cannot_split_the_model_is_refused_in_one_line(checkpoints):
+def test_a_size_that_cannot_split_the_model_is_refused_in_one_line(checkpoints, capsys):
     with pytest.raises(ParallelError) as caught:
         load_parallel_model(checkpoints["dense"], 3)
     message = str(caught.value)
     assert "--tensor-parallel-size 3" in message and "num_attention_heads=4" in message and "\n" not in message
+    from qwen3_scratch.cli.generate import main
+
+    assert main(["--model", str(checkpoints["dense"]), "--prompt", "x", "--tensor-parallel-size", "3"]) == 2
+    assert capsys.readouterr().err.strip() == f"qwen3-generate: error: {message}"
 
 
 def test_a_killed_rank_ends_the_parent_in_one_line(checkpoints):

@@ -45,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load(args: argparse.Namespace):
     """The LLM the flags describe (checked first, then loaded)."""
-    for flag in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes",
-                 "tensor_parallel_size"):
+    for flag in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise Qwen3Error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")

@@ -107,7 +107,7 @@ class LLM:
         device = pick_device(device)
         # Laid out for batches: q/k/v and gate/up fused, matrices prepacked on a CPU (kernels/fuse.py).
         # tensor_parallel_size > 1: split over that many processes (parallel/); the KV pool is then per rank.
-        if tensor_parallel_size > 1:
+        if tensor_parallel_size != 1:  # (0 or -1 are refused there, in one line)
             self.model = load_parallel_model(self.checkpoint, tensor_parallel_size, device, pick_dtype(dtype, device),
                                              optimize="batch")  # fmt: skip
         else:

@@ -86,7 +86,7 @@ class Pipeline:
         folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                     verify=verify)  # fmt: skip
         tokenizer = Tokenizer.from_checkpoint(folder)
-        if tensor_parallel_size > 1:
+        if tensor_parallel_size != 1:  # (0 or -1 are refused there, in one line)
             weights = load_parallel_model(folder, tensor_parallel_size, device, pick_dtype(dtype, device), "decode", quantize)
         else:
             weights = load_model(folder, device, pick_dtype(dtype, device), optimize="decode", quantize=quantize)
