@@ -65,6 +65,44 @@ def child(model_path: str, world: int, tokens: int, dtype: str, device: str) -> 
     }
 
 
+def allreduce_rank(rank: int, port: int, repeats: int, out) -> None:
+    """One of two gloo ranks: the time of one all-reduce of a decode step's hidden state (1024 bf16 values)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x = torch.ones(1, 1, 1024, dtype=torch.bfloat16)
+    for _ in range(50):
+        dist.all_reduce(x)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(x)
+    if rank == 0:
+        out.put((time.perf_counter() - start) / repeats)
+    dist.destroy_process_group()
+
+
+def allreduce_seconds(repeats: int = 2000) -> float:
+    """What the collectives of a step cost on their own: one all-reduce between two processes, over loopback."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    ranks = [context.Process(target=allreduce_rank, args=(r, port, repeats, out)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    seconds = out.get(timeout=300)
+    for p in ranks:
+        p.join()
+    return seconds
+
+
 def run(model_path: str, world: int, tokens: int, dtype: str, device: str) -> dict:
     command = [sys.executable, __file__, "--child", str(world), "--model", model_path, "--tokens", str(tokens),
                "--dtype", dtype, "--device", device]  # fmt: skip
@@ -81,8 +119,12 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: rank r on GPU r")
+    p.add_argument("--allreduce", action="store_true", help="time one all-reduce of a hidden state, nothing else")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.allreduce:
+        print(f"one gloo all-reduce of 1024 bf16 values, 2 processes, 1 thread each: {allreduce_seconds() * 1e6:.0f} us")
+        return
     if args.child:
         print(json.dumps(child(args.model, args.child, args.tokens, args.dtype, args.device)))
         return
