@@ -10,7 +10,9 @@ failure is recorded in the JSON and the next step runs):
   2. per size (0.6B, 1.7B, 4B, 8B): write a random checkpoint of the exact shapes (drawn on the GPU,
      so 8B takes seconds), then decode greedily, batch 1, in bf16, int8 and int4, eager (KV cache) and
      compiled (CUDA graphs), against the GPU's bandwidth limit measured in the same process;
-  3. the load benchmark onto the GPU (scripts/benchmark_load.py --device cuda).
+  3. the load benchmark onto the GPU (scripts/benchmark_load.py --device cuda);
+  4. with >= 2 GPUs, tensor parallelism: TP=2 against TP=1 decode on the 0.6B shapes, and the TP=2
+     parity tests on NCCL (scripts/benchmark_tp.py --device cuda; tests/test_tensor_parallel.py runs gloo).
 It writes gpu_check.json and gpu_check.md into --out after every step, so a run cut short keeps
 what it measured. A step that would start after --budget seconds is recorded as skipped.
 """
@@ -39,7 +41,7 @@ TINY_MOE = {**TINY, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermedia
 # (kernels/int4.py: tinygemm's packing, group 32, a scale and zero point per group)
 VARIANTS = [("bfloat16", None), ("int8", "int8"), ("int4", "int4")]
 ENGINES = ("eager", "compiled")
-STEP_LIMITS = {"tests": 150, "decode": 170, "load": 90}  # seconds per step; decode per size
+STEP_LIMITS = {"tests": 150, "decode": 170, "load": 90, "tp": 150}  # seconds per step; decode per size
 
 
 # ---- worker: one size's decode, in its own process ---------------------------------------------------
@@ -249,6 +251,18 @@ def plan(args):
         yield "load benchmark", lambda: run_step(load, STEP_LIMITS["load"])
     else:
         yield "load benchmark", lambda: {"skipped": "the load benchmark measures loading onto a GPU"}
+    if args.device == "cuda" and gpu_count() >= 2:
+        tp = [py, str(HERE / "benchmark_tp.py"), "--device", "cuda", "--sizes", "1,2", "--tokens", "128",
+              "--model", str(args.weights / "qwen3-0.6b-shapes-gpucheck")]  # fmt: skip
+        yield "tensor parallel", lambda: run_step(tp, STEP_LIMITS["tp"])
+    else:
+        yield "tensor parallel", lambda: {"skipped": "tensor parallelism needs 2 or more CUDA GPUs"}
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def decode_step(args, size: str) -> dict:

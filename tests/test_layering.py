@@ -1,7 +1,7 @@
 """The package's layers, kept: every import read with `ast`, no layer importing one above it, no circles.
 
 The layers, lowest first (README "Layout" draws them): the package root (errors.py, files.py), model/,
-kernels/, checkpoint/, text/ and sampling/, generation/ and engine/ (siblings), server/, cli/, and the
+kernels/, checkpoint/, parallel/, text/ and sampling/, generation/ and engine/ (siblings), server/, cli/, and the
 entry points (generate.py, chat.py, serve.py at the root, which only hand over to cli/). A module may
 import its own layer and the layers ALLOWED lists for it. Imports inside functions count too: a lazy
 import is still a dependency. scripts/ import the package freely, but not each other in a circle.
@@ -22,10 +22,11 @@ ALLOWED = {
     "checkpoint": {"root", "model", "kernels"},
     "text": {"root"},
     "sampling": {"root"},
-    "generation": {"root", "model", "checkpoint", "text", "sampling"},
-    "engine": {"root", "model", "checkpoint", "text", "sampling"},
+    "parallel": {"root", "model", "kernels", "checkpoint"},
+    "generation": {"root", "model", "checkpoint", "parallel", "text", "sampling"},
+    "engine": {"root", "model", "checkpoint", "parallel", "text", "sampling"},
     "server": {"root", "engine", "text", "sampling"},
-    "cli": {"root", "model", "kernels", "checkpoint", "text", "sampling", "generation", "engine", "server"},
+    "cli": {"root", "model", "kernels", "checkpoint", "parallel", "text", "sampling", "generation", "engine", "server"},
     "entry": {"cli"},
 }
 

@@ -5,5 +5,5 @@ download), shards.py (one safetensors shard, validated by the `safetensors` libr
 (`load_model`: the strict load into model/, then the layout from kernels/), placement.py (which
 device and dtype "auto" means, one rule for everything).
 
-May import: model, kernels, the package root. Imported by: generation, engine, cli.
+May import: model, kernels, the package root. Imported by: parallel, generation, engine, cli.
 """

@@ -235,7 +235,8 @@ def run(args) -> None:
 
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
                          revision=args.revision, verify=args.verify, quantize=args.quantize,
-                         quantize_group_size=args.quantize_group_size)  # fmt: skip
+                         quantize_group_size=args.quantize_group_size,
+                         tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     session = ChatSession(pipe, params, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -39,6 +39,20 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=f"{DEVICE_HELP} (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="{auto,bfloat16,float16,float32}",
                    help=f"{DTYPE_HELP} (default %(default)s)")  # fmt: skip
+    p.add_argument("--tensor-parallel-size", type=at_least_one, default=1, metavar="N",
+                   help="split the model over N processes (one per GPU; on a CPU they share its cores), e.g. 8 for "
+                        "Qwen3-235B-A22B on 8 GPUs (default %(default)s)")  # fmt: skip
+
+
+def at_least_one(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its one-line error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def quantize_flags(p: argparse.ArgumentParser) -> None:

@@ -91,7 +91,8 @@ def run(args) -> None:
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
                          revision=args.revision, verify=args.verify, quantize=args.quantize,
                          quantize_group_size=args.quantize_group_size, use_cache=args.kv_cache,
-                         compile=args.compile, measure_bandwidth=args.show_stats)  # fmt: skip
+                         compile=args.compile, measure_bandwidth=args.show_stats,
+                         tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
     if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls
         print_reply(pipe, prompts[0], params, args, tools)

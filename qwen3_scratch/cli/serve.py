@@ -61,7 +61,8 @@ def load(args: argparse.Namespace):
                dtype=args.dtype, revision=args.revision, verify=args.verify, quantize=args.quantize,
                quantize_group_size=args.quantize_group_size,
                kv_cache_memory_gib=args.kv_cache_memory_gib, num_blocks=args.num_blocks, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> int:

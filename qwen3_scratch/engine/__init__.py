@@ -8,6 +8,6 @@ fails its own request, or the engine when shared state broke), embedder.py (Qwen
 last-token, L2-normalised vectors) and llm.py (`LLM`, the offline API in vLLM's shape: generate, chat,
 embed).
 
-May import: model, checkpoint, text, sampling, the package root. Imported by: server, cli.
+May import: model, checkpoint, parallel, text, sampling, the package root. Imported by: server, cli.
 The simple loops (generation/) are its sibling: neither imports the other.
 """

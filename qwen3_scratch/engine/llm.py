@@ -21,6 +21,7 @@ from qwen3_scratch.checkpoint.placement import pick_device, pick_dtype
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.model.kv_cache import kv_cache_bytes
+from qwen3_scratch.parallel.model import load_parallel_model
 from qwen3_scratch.sampling.defaults import load_generation_config, stop_token_ids
 from qwen3_scratch.sampling.params import SamplingParams
 from qwen3_scratch.text.chat_parser import parse_assistant, prompt_opens_thinking
@@ -101,14 +102,20 @@ class LLM:
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
+        tensor_parallel_size: int = 1,
     ):
         self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                              verify=verify)  # fmt: skip
         device = pick_device(device)
         # Laid out for batches: q/k/v and gate/up fused, matrices prepacked on a CPU (kernels/fuse.py), or
         # quantized: "int8" or "int4" (kernels/quantize.py, kernels/int4.py), computed now.
-        self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), optimize="batch",
-                                quantize=quantize, quantize_group_size=quantize_group_size)  # fmt: skip
+        # tensor_parallel_size > 1: split over that many processes (parallel/); the KV pool is then per rank.
+        layout = dict(optimize="batch", quantize=quantize, quantize_group_size=quantize_group_size)
+        if tensor_parallel_size != 1:  # (0 or -1 are refused there, in one line)
+            self.model = load_parallel_model(self.checkpoint, tensor_parallel_size, device, pick_dtype(dtype, device),
+                                             **layout)  # fmt: skip
+        else:
+            self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), **layout)
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.generation_config = load_generation_config(self.checkpoint)
         self.embedder = Embedder(self.model, self.tokenizer)

@@ -4,6 +4,6 @@ loops.py (token ids in, token ids out: the full-recompute reference and the KV-c
 conversation.py (multi-turn chat over a KV cache kept across turns), pipeline.py (`Pipeline`: text in,
 text out) and stats.py (the numbers a run reports).
 
-May import: model, checkpoint, text, sampling, the package root. Imported by: cli.
+May import: model, checkpoint, parallel, text, sampling, the package root. Imported by: cli.
 The engine (engine/) is its sibling: neither imports the other.
 """

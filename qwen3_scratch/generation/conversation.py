@@ -101,8 +101,7 @@ class ConversationCache:
         bigger = KVCache(self.model.config, 1, size, self.model.device, self.model.activation_dtype)
         n = len(self.tokens)
         if self.cache is not None and n:
-            bigger.keys[:, :, :, :n] = self.cache.keys[:, :, :, :n]  # (L, 1, K, n, D)
-            bigger.values[:, :, :, :n] = self.cache.values[:, :, :, :n]
+            bigger.copy_prefix(self.cache, n)  # (L, 1, K, n, D) of keys and of values
         self.cache = bigger
 
 

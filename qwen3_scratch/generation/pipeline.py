@@ -22,6 +22,7 @@ from qwen3_scratch.checkpoint.hub import resolve_checkpoint
 from qwen3_scratch.checkpoint.placement import DEFAULT_MODEL, pick_device, pick_dtype
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.errors import GenerationError
+from qwen3_scratch.parallel.model import load_parallel_model
 from qwen3_scratch.sampling.defaults import load_generation_config, stop_token_ids
 from qwen3_scratch.sampling.logits import NON_FINITE
 from qwen3_scratch.sampling.params import SamplingParams
@@ -75,17 +76,21 @@ class Pipeline:
     @classmethod
     def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto",
              *, revision=None, verify=False, quantize=None, quantize_group_size=None, use_cache=True, compile=False,
-             measure_bandwidth=False) -> "Pipeline":  # fmt: skip
+             measure_bandwidth=False, tensor_parallel_size=1) -> "Pipeline":  # fmt: skip
         """Resolve `model` (a folder, or a Hub id downloaded into weights_dir), load it laid out for
-        batch-1 decode (kernels/layout.py) on `device` in `dtype` (checkpoint/placement.py's rule)."""
+        batch-1 decode (kernels/layout.py) on `device` in `dtype` (checkpoint/placement.py's rule);
+        tensor_parallel_size > 1 splits it over that many processes (parallel/)."""
         device = pick_device(device)
         if compile and device == "cpu":  # before any download or load
             raise GenerationError(CPU_COMPILE_REFUSAL)
         folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                     verify=verify)  # fmt: skip
         tokenizer = Tokenizer.from_checkpoint(folder)
-        weights = load_model(folder, device, pick_dtype(dtype, device), optimize="decode", quantize=quantize,
-                             quantize_group_size=quantize_group_size)  # fmt: skip
+        layout = dict(optimize="decode", quantize=quantize, quantize_group_size=quantize_group_size)
+        if tensor_parallel_size != 1:  # (0 or -1 are refused there, in one line)
+            weights = load_parallel_model(folder, tensor_parallel_size, device, pick_dtype(dtype, device), **layout)
+        else:
+            weights = load_model(folder, device, pick_dtype(dtype, device), **layout)
         return cls(weights, tokenizer, folder, use_cache=use_cache, compile=compile,
                    measure_bandwidth=measure_bandwidth)  # fmt: skip
 

@@ -119,7 +119,8 @@ def unread_expert_bytes(model, batch_size: int) -> int:
     for block in model.modules():
         if isinstance(block, SparseMoeBlock):
             E, k = len(block.experts), block.top_k
-            expert = sum(p.numel() * p.element_size() for p in block.experts[0].parameters())
+            first = next(iter(block.experts.children()))  # a list, or (parallel/) a rank's dict of experts
+            expert = sum(p.numel() * p.element_size() for p in first.parameters())
             unread += expert * (E - E * (1 - (1 - k / E) ** batch_size))
     return round(unread)
 

@@ -5,5 +5,5 @@ them as a few kernels a layer), fuse.py (fused, oneDNN-prepacked matrices for ba
 (int8 weights), int4.py (int4 weights) and layout.py, which picks among them. Each module says what it buys, measured, and
 which test proves it equals the exact path (the model's own layers, model/).
 
-May import: model, the package root. Imported by: checkpoint (load_model applies the layout).
+May import: model, the package root. Imported by: checkpoint (load_model applies the layout), parallel (so does each rank).
 """

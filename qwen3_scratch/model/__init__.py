@@ -5,5 +5,5 @@ with q/k-norm, SwiGLU, the model: token ids -> logits), moe.py (Qwen3-MoE's spar
 (the static cache and masks the model's forward takes) and sizes.py (the published shapes).
 
 May import: the package root (errors, files). Imported by every layer above: kernels, checkpoint,
-generation, engine. It never sees text, files of weights, sampling or a scheduler.
+parallel, generation, engine. It never sees text, files of weights, sampling or a scheduler.
 """

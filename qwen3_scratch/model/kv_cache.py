@@ -11,13 +11,20 @@ slots that are padding or not yet written.
 Shapes: L layers, B batch, K kv heads, S cache slots, D head_dim, T new tokens.
 """
 
+import itertools
+
 import torch
 
 from .config import Qwen3Config
 
+_SERIALS = itertools.count()
+
 
 class KVCache:
     def __init__(self, config: Qwen3Config, batch_size: int, max_len: int, device=None, dtype=torch.float32):
+        # Names this cache, and the cache it began as a copy of, to the mirrors a tensor-parallel run keeps
+        # of it on the other ranks (parallel/worker.py); plain numbers, so no cache keeps another alive.
+        self.serial, self.copied_from = next(_SERIALS), None
         shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, K, S, D)
         self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, K, S, D)
@@ -37,6 +44,12 @@ class KVCache:
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+    def copy_prefix(self, source: "KVCache", n: int) -> None:
+        """Take the first n slots of every row from `source` (a cache being outgrown)."""
+        self.keys[:, :, :, :n] = source.keys[:, :, :, :n]  # (L, B, K, n, D)
+        self.values[:, :, :, :n] = source.values[:, :, :, :n]
+        self.copied_from = (source.serial, n)
 
 
 def attention_mask(query_slots: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:

@@ -107,3 +107,30 @@ def moe_parameter_counts(config: dict) -> tuple[int, int]:
             total += attention + 3 * C * config["intermediate_size"]
             active += attention + 3 * C * config["intermediate_size"]
     return total, active
+
+
+def per_rank_bytes(config: dict, n: int, bytes_per_value: int = 2) -> tuple[int, int] | None:
+    """(weight bytes, KV-cache bytes per token) that one of n tensor-parallel ranks holds, or None when n
+    cannot split the model (parallel/plan.py's rule: n divides the query heads, the MLP width and the
+    experts; n divides the kv heads or they divide n, each then replicated n/K times).
+
+    The split is parallel/plan.py's: q/k/v/o and the MLPs by heads and width, embedding and lm_head by
+    vocabulary rows (V/n rounded up), whole experts per rank, the norms and the MoE router replicated.
+    """
+    C, V, D, L = config["hidden_size"], config["vocab_size"], config["head_dim"], config["num_hidden_layers"]
+    H, K, E = config["num_attention_heads"], config["num_key_value_heads"], config.get("num_experts", 0)
+    F = config["intermediate_size"]
+    if H % n or (K % n if K >= n else n % K) or (E and E % n) or (not E and F % n):
+        return None
+    kv_heads = max(1, K // n)
+    attention = 2 * C * (H // n) * D + 2 * C * kv_heads * D + 2 * D + 2 * C  # q, o, k, v, q/k norms, two RMSNorms
+    mlp = C * E + (E // n) * 3 * C * config["moe_intermediate_size"] if E else 3 * C * (F // n)
+    vocab_rows = -(-V // n)
+    embeddings = vocab_rows * C * (1 if config["tie_word_embeddings"] else 2)
+    weights = embeddings + L * (attention + mlp) + C
+    return weights * bytes_per_value, 2 * L * kv_heads * D * bytes_per_value
+
+
+def all_sizes() -> dict[str, dict]:
+    """Every published Qwen3 config.json (as a dict), dense then MoE."""
+    return {**{s: config_dict(s) for s in QWEN3_SIZES}, **{s: moe_config_dict(s) for s in QWEN3_MOE_SIZES}}
