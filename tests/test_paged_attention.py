@@ -48,20 +48,49 @@ def prompt(length, seed):
     return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def scattered_tables(lengths, block_size, shared_blocks, num_blocks, seed):
+    """(B, W) block tables for rows of `lengths` keys, blocks drawn at random from the pool; every row
+    long enough starts with the same `shared_blocks` blocks (a cached prefix); short rows padded with 0."""
+    width = max(-(-n // block_size) for n in lengths)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    shared, rest = order[:shared_blocks], iter(order[shared_blocks:])
+    tables = []
+    for n in lengths:
+        own = -(-n // block_size)
+        row = shared[:own] if n > shared_blocks * block_size else []
+        row += [next(rest) for _ in range(own - len(row))]
+        tables.append(row + [0] * (width - own))
+    return torch.tensor(tables)
+
+
+# (block size, keys per row, blocks shared by the rows long enough): ragged rows, last blocks partly filled
+# or exactly full, a lone row of one key, and rows whose first blocks are one cached prefix.
+MIXES = {
+    "ragged-shared": (4, [5, 8, 9, 1], 1),
+    "one-row-one-key": (4, [1], 0),
+    "whole-blocks": (8, [16, 8, 24], 0),
+    "long-shared-prefix": (8, [37, 41, 33, 64, 40, 2], 4),
+    "block-of-one": (1, [3, 7, 1], 2),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_kernel_equals_attention_over_the_gathered_blocks(model, dtype):
-    """Rows of 5, 8 (two whole blocks), 9 and 1 keys; rows 0 and 2 share their first block."""
+@pytest.mark.parametrize("mix", MIXES.values(), ids=MIXES.keys())
+def test_the_kernel_equals_attention_over_the_gathered_blocks(model, dtype, mix):
     c = model.config
-    H, K, D, bs = c.num_attention_heads, c.num_key_value_heads, c.head_dim, 4
-    g = torch.Generator().manual_seed(0)
-    key_blocks, value_blocks = (torch.randn(K, 10, bs, D, generator=g).to(dtype) for _ in range(2))
-    tables = torch.tensor([[3, 7, 0], [5, 1, 0], [3, 2, 9], [8, 0, 0]])  # padded with block 0
-    lengths = torch.tensor([5, 8, 9, 1])
-    valid = torch.arange(3 * bs)[None, :] < lengths[:, None]  # (B, S)
-    q = torch.randn(4, H, 1, D, generator=g).to(dtype)
-    got = paged_attention.attend_in_place(q, key_blocks, value_blocks, tables, valid.view(4, 3, bs))
+    H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    bs, lengths, shared = mix
+    g = torch.Generator().manual_seed(len(lengths))
+    num_blocks = sum(-(-n // bs) for n in lengths) + 3
+    key_blocks, value_blocks = (torch.randn(K, num_blocks, bs, D, generator=g).to(dtype) for _ in range(2))
+    tables = scattered_tables(lengths, bs, shared, num_blocks, seed=len(lengths))  # (B, W)
+    B, W = tables.shape
+    valid = torch.arange(W * bs)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    got = paged_attention.attend_in_place(q, key_blocks, value_blocks, tables, valid.view(B, W, bs))
+    # The gather path's keys: (K, B, W, bs, D) -> (B, K, S, D), then the model's own attention.
     keys, values = (blocks[:, tables].flatten(2, 3).transpose(0, 1) for blocks in (key_blocks, value_blocks))
-    mask = valid[:, None, None, :]  # (B, 1, 1, S), over the gathered (B, K, S, D) keys
+    mask = valid[:, None, None, :]  # (B, 1, 1, S)
     if dtype == torch.float32:  # the model's fp32 decode attention: SDPA
         expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
