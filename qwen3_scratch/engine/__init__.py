@@ -1,7 +1,8 @@
 """The engine and `LLM`: many requests at once, continuous batching over a paged, prefix-cached KV pool.
 
-block_manager.py (blocks, reference counts, the prefix cache), paged_cache.py (the pool and the view
-the model's attention reads through), scheduler.py (`Sequence`, `Scheduler`: one step's work),
+block_manager.py (blocks, reference counts, the prefix cache), paged_cache.py (the pool and the views
+the model's attention reads through), paged_attention.py (a decode batch's attention over its blocks
+in place, compiled), scheduler.py (`Sequence`, `Scheduler`: one step's work),
 model_runner.py (one step -> forwards -> logits), engine.py (`LLMEngine`: add, step, sample, retire)
 and llm.py (`LLM`, the offline API in vLLM's shape).
 

@@ -88,6 +88,7 @@ def supported(config: Qwen3Config, device, dtype) -> bool:
 
 
 @functools.cache
+@torch.no_grad()  # as the runner calls it: grad mode is one of the compiled graph's guards
 def unavailable_reason(H: int, K: int, D: int, dtype: torch.dtype) -> str | None:
     """None if the kernel builds for these heads and dtype and equals the plain maths; else why not.
 

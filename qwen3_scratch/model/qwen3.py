@@ -226,7 +226,8 @@ class Qwen3(nn.Module):
         position_ids (B, T): each token's RoPE position; default 0..T-1 (left-padded rows start later).
         mask (B, 1, T, S) bool: which keys each query may see; default causal over the T tokens.
         cache: write this forward's keys/values at cache_slots (T,) and attend over the first S slots,
-            S = mask.shape[-1]; the mask defaults to causal-by-slot over all of the cache's slots.
+            S = mask.shape[-1]; the mask defaults to causal-by-slot over all of the cache's slots. A cache
+            with an `attend(layer, q, k, v, mask)` method writes and attends itself (the engine's paged pool).
         """
         B, T = input_ids.shape
         if position_ids is None:
