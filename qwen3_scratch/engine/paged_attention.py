@@ -26,8 +26,8 @@ rows x 513 keys, blocks of 16, pages scattered through the pool; AMD EPYC Zen 4,
   fp32: contiguous SDPA 5.7 ms, gather + it 36.7 ms, in place 4.5 ms, FlexAttention 6.0 ms
 FlexAttention ran over the same pool expanded over the batch, with a BlockMask built from the tables
 (BlockMask.from_kv_blocks); its CPU decoding template runs one query head and one 16-key block per
-micro-kernel call. A whole bf16 decode step at 16 x 512: in place 1.08x the contiguous step, gathering
-2.2x (docs/performance.md, "Serving").
+micro-kernel call. A whole bf16 decode step at 16 x 512: in place 1.05-1.10x the contiguous step,
+gathering 3.6-5.0x, in the same runs (docs/performance.md, "Paged attention in place").
 
 Shapes: B rows, H query heads, K kv heads, G = H/K, D head_dim, NB pool blocks, bs block_size,
 W blocks per row (the widest row's; narrower rows are padded and masked).

@@ -19,8 +19,8 @@ What the gather costs against a contiguous cache: attention over a contiguous ca
 key/value once; the gather reads it, writes a dense copy, and attention reads the copy: about 3x the
 memory traffic of the attention's own reads, per layer per step. For a prompt chunk of T tokens that
 is small beside the chunk's own T-row products; for a decode batch it is not: at 16 rows x 512 tokens
-(0.6B shapes, bf16, CPU) a paged decode step that gathered took 2.2x the contiguous one, which is why
-decode batches attend in place (docs/performance.md, "Serving").
+(0.6B shapes, bf16, CPU) a paged decode step that gathers takes 3.6-5.0x the contiguous one, and one
+that attends in place 1.05-1.10x, which is why decode batches attend in place (docs/performance.md).
 
 Slots are numbered block_id * block_size + offset. The pool is stored head-major, (L, K, N, D): a write
 indexes slots (index_copy_), and a gather picks whole blocks of a (K, num_blocks, block_size * D) view with
