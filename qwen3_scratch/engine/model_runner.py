@@ -5,9 +5,10 @@ positions, an attention mask, and a `PagedView` of the pool as the cache. The mo
 one the simple loops use; it never learns that its cache is paged.
 
 One step is at most 1 + P forwards:
-  - all decodes together: (B, 1) tokens, each row attending over its own keys, gathered through its
-    block table and right-padded to the longest row (the mask hides the padding);
-  - each prompt chunk alone: (1, T) tokens attending over its cached prefix and itself, causally.
+  - all decodes together: (B, 1) tokens, each row attending over its own keys, read in place through
+    its block table (on a CPU; elsewhere gathered), the tables right-padded to the longest row (the
+    mask hides the padding);
+  - each prompt chunk alone: (1, T) tokens attending over its cached prefix, gathered, and itself, causally.
 Putting a chunk of T tokens in the decode batch would pad every decode row to T tokens.
 
 Shapes: B rows, T tokens per row, S keys per row, V vocab, bs block_size.
@@ -47,8 +48,8 @@ class ModelRunner:
         """The newest token of every row at once -> logits (B, V)."""
         lengths = [chunk.end for chunk in chunks]  # keys per row, the new token's included
         tables = self.block_tables([c.seq.block_table for c in chunks], max(lengths))  # (B, W)
-        # Attend over every gathered slot (S = W x block_size), the padding masked: the gathered keys
-        # then reach attention whole, contiguous per kv head, with no slice (see paged_cache.py).
+        # Attend over every slot of the tables' blocks (S = W x block_size), the padding masked: gathered
+        # keys then reach attention whole, with no slice, and in place the mask is one flag per slot.
         S = tables.shape[1] * self.cache.block_size
         tokens = torch.tensor([[c.seq.token_ids[c.start]] for c in chunks], device=self.device)  # (B, 1)
         positions = torch.tensor([[c.start] for c in chunks], device=self.device)  # (B, 1)
@@ -56,7 +57,7 @@ class ModelRunner:
         keys = torch.arange(S, device=self.device)
         valid = keys[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # (B, S)
         mask = valid[:, None, None, :]  # (B, 1, 1, S): a row sees its own keys, not the padding
-        view = self.cache.view(write, tables)
+        view = self.cache.decode_view(write, tables)
         return self.model(tokens, positions, mask, view, write, last_only=True)[:, -1]  # (B, V)
 
     def prefill(self, chunk: Chunk) -> torch.Tensor:

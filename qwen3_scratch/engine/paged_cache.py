@@ -8,18 +8,19 @@ one block at a time. Nothing is reserved for tokens that are never generated, an
 shared prefix can sit in several tables at once (prefix caching).
 
 The model does not change. Its attention calls `cache.update(layer, k, v, slots)` and attends over
-the first S = mask.shape[-1] keys returned; `PagedView` implements that `update`: it writes the new
-keys/values into their slots of the pool, then *gathers* each row's blocks, in table order, into a
-dense (B, K, S, D) tensor. The mask hides the gather's padding.
+the first S = mask.shape[-1] keys returned, or, when the cache has an `attend` method, hands it the
+queries and lets it attend. Two views of the pool serve those two calls:
+  - `PagedView` (prompt chunks) writes the new keys/values into their slots of the pool, then *gathers*
+    each row's blocks, in table order, into a dense (B, K, S, D) tensor; the mask hides the padding.
+  - `InPlaceView` (decode batches, on a CPU) writes the same way, then attends over each row's blocks
+    where they lie in the pool (paged_attention.py): nothing is copied.
 
 What the gather costs against a contiguous cache: attention over a contiguous cache reads each cached
 key/value once; the gather reads it, writes a dense copy, and attention reads the copy: about 3x the
-memory traffic of the attention's own reads, per layer per step. At short contexts decode is dominated
-by reading the weights and this is small; it grows with context x batch. Measured on the 0.6B shapes
-(bf16, CPU, docs/performance.md "Serving"): gathering one layer's keys for 16 rows x 512 tokens takes
-~2.8 ms, about what attention over them takes; a whole paged decode step at that size is 2.2x the
-contiguous one (0.80 s against 0.37 s; bf16). A fused paged-attention kernel (vLLM's)
-reads the blocks in place; plain PyTorch cannot without one.
+memory traffic of the attention's own reads, per layer per step. For a prompt chunk of T tokens that
+is small beside the chunk's own T-row products; for a decode batch it is not: at 16 rows x 512 tokens
+(0.6B shapes, bf16, CPU) a paged decode step that gathers takes 3.6-5.0x the contiguous one, and one
+that attends in place 1.05-1.10x, which is why decode batches attend in place (docs/performance.md).
 
 Slots are numbered block_id * block_size + offset. The pool is stored head-major, (L, K, N, D): a write
 indexes slots (index_copy_), and a gather picks whole blocks of a (K, num_blocks, block_size * D) view with
@@ -35,21 +36,38 @@ import torch
 
 from qwen3_scratch.model.config import Qwen3Config
 
+from . import paged_attention
+
 
 class PagedKVCache:
     """The pool itself: keys and values for every slot of every block, allocated once."""
 
-    def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, device=None, dtype=torch.float32):
+    def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, device=None, dtype=torch.float32,
+                 in_place: bool | None = None):  # fmt: skip
+        """in_place: decode batches attend in the pool (None: wherever paged_attention supports it)."""
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (config.num_hidden_layers, config.num_key_value_heads, num_blocks * block_size, config.head_dim)
+        K, D = config.num_key_value_heads, config.head_dim
+        shape = (config.num_hidden_layers, K, num_blocks * block_size, D)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
         self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
+        # Each layer's pool seen as blocks, (K, num_blocks, block_size, D): views made once, not per step.
+        self.key_blocks = [layer.view(K, num_blocks, block_size, D) for layer in self.keys]
+        self.value_blocks = [layer.view(K, num_blocks, block_size, D) for layer in self.values]
+        if in_place is None:
+            in_place = paged_attention.supported(config, device, dtype)
+        self.in_place = in_place
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
     def view(self, write_slots: torch.Tensor, read_blocks: torch.Tensor) -> "PagedView":
+        """The gathering view (prompt chunks, and decode batches where in-place attention is off)."""
         return PagedView(self, write_slots, read_blocks)
+
+    def decode_view(self, write_slots: torch.Tensor, read_blocks: torch.Tensor) -> "PagedView":
+        """The view for a decode batch (one new token per row): in place where supported."""
+        view = InPlaceView if self.in_place else PagedView
+        return view(self, write_slots, read_blocks)
 
 
 class PagedView:
@@ -70,12 +88,16 @@ class PagedView:
         `slots` is whatever the model was handed as cache_slots; the view's write_slots say where
         the tokens go.
         """
+        self.write(layer, k, v)
+        return self._gather(self.cache.keys[layer]), self._gather(self.cache.values[layer])
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (B, K, T, D) into their slots of the pool."""
         B, K, T, D = k.shape
         flat = self.write_slots.reshape(B * T)
         # (B, K, T, D) -> (K, B, T, D) -> (K, B*T, D): one column per token, in the pool's head-major layout
         self.cache.keys[layer].index_copy_(1, flat, k.transpose(0, 1).reshape(K, B * T, D))
         self.cache.values[layer].index_copy_(1, flat, v.transpose(0, 1).reshape(K, B * T, D))
-        return self._gather(self.cache.keys[layer]), self._gather(self.cache.values[layer])
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         # Whole blocks, not single slots: one index per block_size tokens, each a contiguous run.
@@ -85,3 +107,20 @@ class PagedView:
         blocks = pool.view(K, -1, bs * D)  # (K, num_blocks, bs*D)
         rows = torch.index_select(blocks, 1, self.read_blocks.reshape(B * W)).view(K, B, W * bs, D)
         return rows.transpose(0, 1)  # (B, K, S, D) as a view: contiguous in (K, B) order
+
+
+class InPlaceView(PagedView):
+    """A decode batch's window: writes like PagedView, then attends over each row's blocks in the pool.
+
+    The model's attention sees the `attend` method and calls it instead of `update` (model/qwen3.py).
+    mask (B, 1, 1, S) must have S = W * block_size: one column per slot of the row's W table blocks.
+    """
+
+    def attend(self, layer: int, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        """Write k, v (B, K, 1, D); return attention of q (B, H, 1, D) over each row's keys, (B, H, 1, D)."""
+        self.write(layer, k, v)
+        B, W = self.read_blocks.shape
+        valid = mask.reshape(B, W, self.cache.block_size)  # (B, W, bs): the slots each row sees
+        return paged_attention.attend_in_place(
+            q, self.cache.key_blocks[layer], self.cache.value_blocks[layer], self.read_blocks, valid
+        )

@@ -80,6 +80,9 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask=None, cache: KVCache | None = None, cache_slots=None):
         """q (B, H, T, D), k, v (B, K, T, D) -> (B, T, H*D): through the cache when there is one."""
         B, _, T, _ = q.shape
+        if hasattr(cache, "attend"):  # a cache that attends where its keys lie (the engine's paged pool)
+            y = cache.attend(self.layer_index, q, k, v, mask)  # (B, H, T, D)
+            return y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         if cache is not None:
             k, v = cache.update(self.layer_index, k, v, cache_slots)  # (B, K, max_len, D)
             # Attend over as many slots as the mask has columns: the slots written so far in eager
@@ -233,7 +236,8 @@ class Qwen3(nn.Module):
         position_ids (B, T): each token's RoPE position; default 0..T-1 (left-padded rows start later).
         mask (B, 1, T, S) bool: which keys each query may see; default causal over the T tokens.
         cache: write this forward's keys/values at cache_slots (T,) and attend over the first S slots,
-            S = mask.shape[-1]; the mask defaults to causal-by-slot over all of the cache's slots.
+            S = mask.shape[-1]; the mask defaults to causal-by-slot over all of the cache's slots. A cache
+            with an `attend(layer, q, k, v, mask)` method writes and attends itself (the engine's paged pool).
         """
         if self.lm_head is None:
             raise ValueError("this is an embedding checkpoint (no lm_head): it has hidden states, not logits")
