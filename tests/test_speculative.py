@@ -14,16 +14,22 @@ the time and rounds both keep and reject proposals. Random models also repeat th
 prompt lookup proposals to keep. Tests assert that proposals were kept where their point needs it.
 """
 
+import io
 import json
+import re
 import shutil
 
 import pytest
 import torch
 from checkpoints import assert_logits_match, build_checkpoint
+from cli_helpers import assert_one_line_error, cli
 from make_tiny_checkpoint import CHAT_TEMPLATE_FILE, tokenizer_config, train_tiny_tokenizer, write_json
 from safetensors.torch import load_file, save_file
 
 from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.cli.chat import ChatSession
+from qwen3_scratch.cli.chat import build_parser as build_chat_parser
+from qwen3_scratch.cli.flags import speculative_args
 from qwen3_scratch.errors import CheckpointError, GenerationError
 from qwen3_scratch.generation.conversation import ConversationCache
 from qwen3_scratch.generation.pipeline import Pipeline
@@ -236,3 +242,41 @@ def test_adaptive_k_falls_back_to_plain_steps_and_probes_when_nothing_is_kept():
     for _ in range(20):
         policy.update(4, 4)
     assert policy.choose() == 4, "all kept again: back to the most tokens a round"
+
+
+def test_generate_cli_speculates_with_the_same_text_and_reports_it(folders, capsys):
+    common = ["--model", folders[0], "--dtype", "float32", "--prompt", PROMPTS[1], "--temperature", "0",
+              "--max-new-tokens", "24", "--ignore-eos", "--show-stats"]  # fmt: skip
+    code, plain_out, _ = cli(capsys, *common)
+    assert code == 0
+    code, out, err = cli(capsys, *common, "--speculative", "draft", "--draft-model", folders[1],
+                         "--num-speculative-tokens", "3")  # fmt: skip
+    assert code == 0 and out == plain_out
+    assert re.search(r"accepted_tokens=\d+ acceptance_rate=[\d.]+ tokens_per_forward=[\d.]+", err), err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--speculative", "draft"], "--speculative draft needs --draft-model"),
+    (["--draft-model", "weights/x"], "--draft-model needs --speculative"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be an integer from 1"),
+    (["--speculative", "ngram", "--prompt", "b", "--batch-size", "2"], "--speculative runs one prompt at a time"),
+])  # fmt: skip
+def test_generate_cli_refuses_impossible_speculation_in_one_line(folders, capsys, flags, needle):
+    code, _, err = cli(capsys, "--model", folders[0], "--prompt", "a", *flags)
+    assert_one_line_error(code, err, needle)
+
+
+def test_chat_command_speculates_and_shows_acceptance_in_stats(folders):
+    """qwen3-chat's flags -> Pipeline.load -> the session the command runs, in-process."""
+    outputs = []
+    for flags in ([], ["--speculative", "ngram"]):
+        args = build_chat_parser().parse_args(["--model", str(folders[0]), "--dtype", "float32", *flags])
+        pipe = Pipeline.load(args.model, dtype=args.dtype, **speculative_args(args))
+        out, params = io.StringIO(), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        session = ChatSession(pipe, params, thinking=False, out=out)
+        for line in ("Hello there", "And then?", "/stats"):
+            session.handle(line)
+        outputs.append(out.getvalue().splitlines())
+    plain, spec = outputs
+    assert len(plain) > 1 and spec[:-1] == plain[:-1], "the same two answers"
+    assert "accepted_tokens=" in spec[-1] and "tokens_per_forward=" in spec[-1], spec[-1]

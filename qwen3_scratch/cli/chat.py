@@ -18,7 +18,15 @@ from pathlib import Path
 
 from qwen3_scratch.errors import InputError, Qwen3Error
 
-from .flags import OneLineParser, model_flags, params_from_args, run_cli, sampling_flags
+from .flags import (
+    OneLineParser,
+    model_flags,
+    params_from_args,
+    run_cli,
+    sampling_flags,
+    speculative_args,
+    speculative_flags,
+)
 
 PROG = "qwen3-chat"
 
@@ -38,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description="Chat with Qwen3 in the terminal (multi-turn, KV cache reused).")
     model_flags(p)  # the same model and sampling flags as qwen3-generate
     sampling_flags(p)
+    speculative_flags(p)
     p.set_defaults(max_new_tokens=1024)  # per answer: Qwen3 reasons at length before it answers
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (tests, benchmarks)")
     p.add_argument("--system", help="the system message (default: none)")
@@ -224,7 +233,7 @@ def run(args) -> None:
     from qwen3_scratch.generation.pipeline import Pipeline  # torch: imported inside run_cli's Ctrl-C handling
 
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
-                         revision=args.revision, verify=args.verify)  # fmt: skip
+                         revision=args.revision, verify=args.verify, **speculative_args(args))  # fmt: skip
     session = ChatSession(pipe, params, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()
     if interactive:
