@@ -64,34 +64,44 @@ class AdaptiveK:
     """Each round's k, from the acceptance seen so far.
 
     If each proposed token is kept with probability a, a round proposing k tokens makes
-    (1 - a^(k+1)) / (1 - a) tokens on average and costs 1 + k * (row_cost + proposal cost) decode
-    steps: the target's forward, each extra row it checks (kernels/fewrow.py: ~0.03 of a step, measured)
-    and each proposal (a draft step: its bytes next to the target's; prompt lookup: nothing). The
-    k in 0..max_k with the most tokens per cost wins. a is counted over the last few rounds, so k
-    follows the text: high while the answer quotes its input, 0 (plain decoding) where it does not,
-    and then one round in PROBE_EVERY proposes a single token to see whether acceptance came back.
-    Only counts decide k, never timings, so a seeded generation is repeatable.
+    (1 - a^(k+1)) / (1 - a) tokens on average. It costs, in decode steps, the target's forward over
+    k+1 rows, max(1, (k+1) / free_rows): the weights are read once for all rows until multiplying
+    the rows takes longer than reading them, after free_rows rows (kernels/fewrow.py; on the 2-core
+    Zen 4 measured, 4 rows cost 1.2 steps and 5 rows 1.55: ~3.2 rows per read); plus what a
+    multi-row forward costs beyond a one-row step (the one-row path's fused kernels do not apply;
+    ROUND_OVERHEAD, measured); plus k proposals (a draft step: its bytes next to the target's;
+    prompt lookup: nothing). The k in 0..max_k with the
+    most tokens per cost wins. a is counted over the last few rounds, so k follows the text: high
+    while the answer quotes its input, 0 (plain decoding) where it does not, and then one round in
+    PROBE_EVERY proposes a single token to see whether acceptance came back. Only counts decide k,
+    never timings, so a seeded generation is repeatable.
     """
 
-    ROW_COST = 0.03
+    CPU_FREE_ROWS = 3.2  # measured (docs/performance.md, "Speculative decoding")
+    GPU_FREE_ROWS = 32.0  # a one-row step leaves a GPU's multipliers idle; not measured (no GPU here)
+    ROUND_OVERHEAD = 0.1  # a 2-row forward next to a one-row step, less 1; measured
     DECAY = 0.8  # the weight of a round's counts after each further round
     PROBE_EVERY = 16
 
-    def __init__(self, max_k: int, proposal_cost: float, adaptive: bool = True):
-        self.max_k, self.proposal_cost, self.adaptive = max_k, proposal_cost, adaptive
+    def __init__(self, max_k: int, proposal_cost: float, free_rows: float = CPU_FREE_ROWS, adaptive: bool = True):
+        self.max_k, self.proposal_cost, self.free_rows, self.adaptive = max_k, proposal_cost, free_rows, adaptive
         self.kept, self.checked = 1.0, 2.0  # a prior of one round with a = 1/2
         self.plain_steps = 0
 
     def choose(self) -> int:
         if not self.adaptive:
             return self.max_k
-        a = min(self.kept / self.checked, 0.999)
-        step = self.proposal_cost + self.ROW_COST
-        k = max(range(self.max_k + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + k * step))
+        k = max(range(self.max_k + 1), key=self.tokens_per_step)
         if k == 0:
             self.plain_steps += 1
             return 1 if self.plain_steps % self.PROBE_EVERY == 0 else 0
         return k
+
+    def tokens_per_step(self, k: int) -> float:
+        """Expected tokens per decode step's worth of time, with k proposals a round."""
+        a = min(self.kept / self.checked, 0.999)
+        forward = max(1.0, (k + 1) / self.free_rows) + (self.ROUND_OVERHEAD if k else 0.0)
+        return (1 - a ** (k + 1)) / (1 - a) / (forward + k * self.proposal_cost)
 
     def update(self, proposed: int, kept: int) -> None:
         """A round's outcome: `kept` of `proposed` tokens. The trials are the kept ones and the first
@@ -113,7 +123,9 @@ class Speculator:
         """Yield the tokens after `prompt` one at a time, as plain decoding over `target` would: the
         same tokens (greedy) or the same distribution (sampling). Ends after a stop id, after n_new
         tokens, or at NON_FINITE (the caller must stop there), wherever it falls inside a round."""
-        policy, self.stats = AdaptiveK(self.max_k, self.proposer.cost, self.adaptive), SpeculationStats()
+        free_rows = AdaptiveK.CPU_FREE_ROWS if target.model.device.type == "cpu" else AdaptiveK.GPU_FREE_ROWS
+        policy = AdaptiveK(self.max_k, self.proposer.cost, free_rows, self.adaptive)
+        self.stats = SpeculationStats()
         self.proposer.start(prompt)
         new = [int(sample(target.prefill(prompt, reserve=n_new), params, generator))]
         produced = 0

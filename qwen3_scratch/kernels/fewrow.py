@@ -55,12 +55,17 @@ static inline uint16_t round_to_bf16(float f) {  // round to nearest even, as to
 template <int R, int U>
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t K) {
+    // Every loop over r and u is unrolled, so that acc lives in registers: one loop left rolled
+    // indexes acc by a variable, and the compiler then keeps it in memory (measured 1.5x slower at R = 4).
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint16_t* wn = w + n * K;
         __m512 acc[R][U];
-        for (int r = 0; r < R; r++)
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            #pragma GCC unroll 2
             for (int u = 0; u < U; u++) acc[r][u] = _mm512_setzero_ps();
+        }
         int64_t k = 0;
         for (; k + 32 * U <= K; k += 32 * U) {
             #pragma GCC unroll 2
@@ -74,11 +79,14 @@ static void rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, i
         for (; k < K; k += 32) {  // the tail: masked loads read zeros past K
             __mmask32 m = K - k >= 32 ? 0xffffffffu : (1u << (K - k)) - 1u;
             __m512bh wk = (__m512bh)_mm512_maskz_loadu_epi16(m, wn + k);
+            #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * K + k), wk);
         }
+        #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
             __m512 sum = acc[r][0];
+            #pragma GCC unroll 2
             for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[r][u]);
             y[r * N + n] = round_to_bf16(_mm512_reduce_add_ps(sum));
         }

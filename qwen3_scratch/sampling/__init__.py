@@ -2,8 +2,9 @@
 
 params.py (`SamplingParams`, in vLLM's names, and the table of limits every entry point checks
 against), logits.py (`LogitsFilter`: temperature, top-k, top-p, min-p as pure functions of logits;
-`sample` with no host sync), defaults.py (the checkpoint's generation_config.json and the ids that
-end a generation).
+`sample` with no host sync), rejection.py (which proposed tokens speculative decoding keeps: greedy
+agreement, or rejection sampling with the same filters), defaults.py (the checkpoint's
+generation_config.json and the ids that end a generation).
 
 May import: the package root. Imported by: generation, engine, server, cli.
 """
