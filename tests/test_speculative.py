@@ -235,10 +235,15 @@ def test_adaptive_k_falls_back_to_plain_steps_and_probes_when_nothing_is_kept():
     policy = AdaptiveK(max_k=4, proposal_cost=0.08)
     assert policy.choose() >= 1, "with the prior it speculates"
     ks = []
-    for _ in range(64):
+    for _ in range(900):
         ks.append(k := policy.choose())
         policy.update(k, 0)
-    assert ks[-32:].count(0) >= 30 and ks[-32:].count(1) == 2, f"plain steps with a probe every 16: {ks}"
+    assert ks.index(0) < 24, f"nothing kept: plain steps within a few rounds, {ks[:24]}"
+    probes = [i for i, k in enumerate(ks) if i > ks.index(0) and k]
+    gaps = [b - a - 1 for a, b in zip([ks.index(0) - 1] + probes, probes)]
+    assert gaps[:6] == [16, 32, 64, 128, 256, 256], f"each failed probe doubles the plain steps to the next: {gaps}"
+    policy.update(1, 1)
+    assert policy.probe_gap == AdaptiveK.PROBE_EVERY, "a kept token brings the probes back to every 16 steps"
     for _ in range(20):
         policy.update(4, 4)
     assert policy.choose() == 4, "all kept again: back to the most tokens a round"

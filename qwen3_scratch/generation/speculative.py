@@ -60,48 +60,76 @@ def speculate(target: ConversationCache, proposer, last: int, k: int, params: Lo
     return new, len(proposed)
 
 
+def forward_cost(k: int, products: str) -> float:
+    """A target forward over k+1 rows, in one-row decode steps, by what multiplies its few rows:
+
+    "fewrow"    bf16 on a CPU with AVX512-BF16 (kernels/fewrow.py). Measured at the 0.6B shapes on
+                the 2-core Zen 4 (docs/performance.md, "Speculative decoding"): 2..9 rows cost 0.93,
+                1.08, 1.21, 1.37, 1.47, 1.64, 2.06, 2.24 steps; the fit: 0.78 + 0.147 k while the
+                rows share the weight read, then (k+1)/4 once multiplying them takes longer (2 rows
+                cost less than one: the one-row loop, matvec.py, reads its weights a little slower).
+    "F.linear"  bf16 on a CPU without that kernel: measured at 2.26 (2 rows) to 2.55 (5 rows) steps
+                next to the compiled one-row loop; speculation rarely pays there.
+    "other"     fp32 or fp16 on a CPU, and GPUs: not measured. A guess, 1 + 0.1 k: a few rows cost
+                about one read of the weights (on a GPU, a one-row step leaves the multipliers idle).
+    """
+    if k == 0:
+        return 1.0
+    if products == "fewrow":
+        return max(0.78 + 0.147 * k, (k + 1) / 4)
+    if products == "F.linear":
+        return 2.2 + 0.1 * k
+    return 1.0 + 0.1 * k
+
+
+def products_of(model) -> str:
+    """Which of forward_cost's measurements applies to `model`."""
+    if getattr(model, "fewrow", False):
+        return "fewrow"
+    bf16_cpu = model.device.type == "cpu" and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    return "F.linear" if bf16_cpu else "other"
+
+
 class AdaptiveK:
     """Each round's k, from the acceptance seen so far.
 
     If each proposed token is kept with probability a, a round proposing k tokens makes
-    (1 - a^(k+1)) / (1 - a) tokens on average. It costs, in decode steps, the target's forward over
-    k+1 rows, max(1, (k+1) / free_rows): the weights are read once for all rows until multiplying
-    the rows takes longer than reading them, after free_rows rows (kernels/fewrow.py; on the 2-core
-    Zen 4 measured, 4 rows cost 1.2 steps and 5 rows 1.55: ~3.2 rows per read); plus what a
-    multi-row forward costs beyond a one-row step (the one-row path's fused kernels do not apply;
-    ROUND_OVERHEAD, measured); plus k proposals (a draft step: its bytes next to the target's;
-    prompt lookup: nothing). The k in 0..max_k with the
-    most tokens per cost wins. a is counted over the last few rounds, so k follows the text: high
-    while the answer quotes its input, 0 (plain decoding) where it does not, and then one round in
-    PROBE_EVERY proposes a single token to see whether acceptance came back. Only counts decide k,
-    never timings, so a seeded generation is repeatable.
+    (1 - a^(k+1)) / (1 - a) tokens on average. It costs, in one-row decode steps, the target's
+    forward over k+1 rows (`forward_cost`) plus k proposals (a draft step: its bytes next to the
+    target's; prompt lookup: nothing). The k in 0..max_k with the most tokens per cost wins. a is
+    counted over the last few rounds, so k follows the text: high while the answer quotes its input,
+    0 (plain decoding) where it does not, and then a round after `probe_gap` plain steps proposes a
+    single token to see whether acceptance came back. Each probe that keeps nothing doubles the gap
+    (PROBE_EVERY up to MAX_PROBE_GAP), so a proposer that never guesses right costs a probe every few
+    hundred tokens; one kept token brings the gap back. Only counts decide k, never timings, so a
+    seeded generation is repeatable.
     """
 
-    CPU_FREE_ROWS = 3.2  # measured (docs/performance.md, "Speculative decoding")
-    GPU_FREE_ROWS = 32.0  # a one-row step leaves a GPU's multipliers idle; not measured (no GPU here)
-    ROUND_OVERHEAD = 0.1  # a 2-row forward next to a one-row step, less 1; measured
     DECAY = 0.8  # the weight of a round's counts after each further round
     PROBE_EVERY = 16
+    MAX_PROBE_GAP = 256
 
-    def __init__(self, max_k: int, proposal_cost: float, free_rows: float = CPU_FREE_ROWS, adaptive: bool = True):
-        self.max_k, self.proposal_cost, self.free_rows, self.adaptive = max_k, proposal_cost, free_rows, adaptive
+    def __init__(self, max_k: int, proposal_cost: float, products: str = "fewrow", adaptive: bool = True):
+        self.max_k, self.proposal_cost, self.products, self.adaptive = max_k, proposal_cost, products, adaptive
         self.kept, self.checked = 1.0, 2.0  # a prior of one round with a = 1/2
-        self.plain_steps = 0
+        self.plain_steps, self.probe_gap, self.probing = 0, self.PROBE_EVERY, False
 
     def choose(self) -> int:
         if not self.adaptive:
             return self.max_k
         k = max(range(self.max_k + 1), key=self.tokens_per_step)
+        self.probing = False
         if k == 0:
             self.plain_steps += 1
-            return 1 if self.plain_steps % self.PROBE_EVERY == 0 else 0
+            if self.plain_steps > self.probe_gap:
+                self.plain_steps, self.probing = 0, True
+                return 1
         return k
 
     def tokens_per_step(self, k: int) -> float:
         """Expected tokens per decode step's worth of time, with k proposals a round."""
         a = min(self.kept / self.checked, 0.999)
-        forward = max(1.0, (k + 1) / self.free_rows) + (self.ROUND_OVERHEAD if k else 0.0)
-        return (1 - a ** (k + 1)) / (1 - a) / (forward + k * self.proposal_cost)
+        return (1 - a ** (k + 1)) / (1 - a) / (forward_cost(k, self.products) + k * self.proposal_cost)
 
     def update(self, proposed: int, kept: int) -> None:
         """A round's outcome: `kept` of `proposed` tokens. The trials are the kept ones and the first
@@ -109,6 +137,10 @@ class AdaptiveK:
         if proposed:
             self.kept = self.DECAY * self.kept + kept
             self.checked = self.DECAY * self.checked + kept + (kept < proposed)
+        if kept:
+            self.probe_gap = self.PROBE_EVERY
+        elif self.probing:
+            self.probe_gap = min(2 * self.probe_gap, self.MAX_PROBE_GAP)
 
 
 class Speculator:
@@ -123,8 +155,7 @@ class Speculator:
         """Yield the tokens after `prompt` one at a time, as plain decoding over `target` would: the
         same tokens (greedy) or the same distribution (sampling). Ends after a stop id, after n_new
         tokens, or at NON_FINITE (the caller must stop there), wherever it falls inside a round."""
-        free_rows = AdaptiveK.CPU_FREE_ROWS if target.model.device.type == "cpu" else AdaptiveK.GPU_FREE_ROWS
-        policy = AdaptiveK(self.max_k, self.proposer.cost, free_rows, self.adaptive)
+        policy = AdaptiveK(self.max_k, self.proposer.cost, products_of(target.model), self.adaptive)
         self.stats = SpeculationStats()
         self.proposer.start(prompt)
         new = [int(sample(target.prefill(prompt, reserve=n_new), params, generator))]
