@@ -27,7 +27,7 @@ in bf16 (this CPU's default) and the decode layout Pipeline loads it in. How the
     64 values: ~1/64 kept).
   - Decode tokens/s (after the first token, as the stats line's decode_tokens_per_second), median of
     --repeats runs, the plain run (Pipeline's loop, loops.generate_tokens) repeated beside each
-    configuration's, alternating. Speculation runs over chat's one-sequence cache (ConversationCache);
+    configuration's, alternating; the speedup is the median of each run's ratio to its plain run. Speculation runs over chat's one-sequence cache (ConversationCache);
     plain decoding over that cache is measured too ("plain, chat's loop"), so that a speedup that
     comes from the loop rather than from speculation would show.
 """
@@ -189,24 +189,27 @@ def costs(target, draft) -> dict:
 
 
 def alternate(configs: dict, plain, repeats: int) -> dict:
-    """Each configuration's runs alternating with plain runs; medians of tokens/s and the speedup."""
+    """Each configuration's runs alternating with plain runs. tokens/s: medians; speedup: the median of
+    each run's ratio to the plain run just before it, so that load drifting over the run cancels."""
     runs = {name: [] for name in configs} | {"plain": []}
+    ratios = {name: [] for name in configs}
     counts = {}
     for _ in range(repeats):
         for name, run in configs.items():
             runs["plain"].append(plain())
             rate, counts[name] = run()
             runs[name].append(rate)
-    base = statistics.median(runs["plain"])
-    table = {"plain": {"tokens_per_s": round(base, 2)}}
+            ratios[name].append(rate / runs["plain"][-1])
+    table = {"plain": {"tokens_per_s": round(statistics.median(runs["plain"]), 2)}}
     for name in configs:
-        median = statistics.median(runs[name])
-        table[name] = {"tokens_per_s": round(median, 2), "speedup": round(median / base, 3),
+        median, speedup = statistics.median(runs[name]), statistics.median(ratios[name])
+        table[name] = {"tokens_per_s": round(median, 2), "speedup": round(speedup, 3),
+                       "speedups": [round(r, 3) for r in ratios[name]],
                        "acceptance_rate": round(counts[name].acceptance_rate, 3),
                        # each forward makes its kept proposals and one token of its own
                        "tokens_per_forward": round((counts[name].accepted + counts[name].forwards)
                                                    / max(counts[name].forwards, 1), 2)}  # fmt: skip
-        print(f"  {name:34s} {median:6.2f} tok/s  x{median / base:.3f}  acceptance "
+        print(f"  {name:34s} {median:6.2f} tok/s  x{speedup:.3f} {table[name]['speedups']}  acceptance "
               f"{counts[name].acceptance_rate:.2f}", flush=True)
     return table
 
