@@ -26,6 +26,8 @@ from .flags import (
     quantize_flags,
     run_cli,
     sampling_flags,
+    speculative_args,
+    speculative_flags,
 )
 
 PROG = "qwen3-chat"
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_flags(p)  # the same model, quantization and sampling flags as qwen3-generate
     quantize_flags(p)
     sampling_flags(p)
+    speculative_flags(p)
     p.set_defaults(max_new_tokens=1024)  # per answer: Qwen3 reasons at length before it answers
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (tests, benchmarks)")
     p.add_argument("--system", help="the system message (default: none)")
@@ -236,7 +239,7 @@ def run(args) -> None:
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
                          revision=args.revision, verify=args.verify, quantize=args.quantize,
                          quantize_group_size=args.quantize_group_size,
-                         tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+                         tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
     session = ChatSession(pipe, params, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()
     if interactive:

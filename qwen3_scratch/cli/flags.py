@@ -94,6 +94,23 @@ def sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="add BIAS (-100 to 100) to token ID's logit (repeatable; default: none)")  # fmt: skip
 
 
+def speculative_flags(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding, one prompt at a time: who proposes tokens, and at most how many a round."""
+    p.add_argument("--speculative", choices=["ngram", "draft"],
+                   help="check several proposed tokens per forward, output unchanged: ngram proposes what followed "
+                   "the last tokens earlier in the prompt or answer; draft asks --draft-model (default: off)")  # fmt: skip
+    p.add_argument("--draft-model", help="for --speculative draft: a smaller Qwen3 with the same tokenizer, a folder or "
+                   "a Hub id (e.g. Qwen/Qwen3-0.6B for Qwen3-8B; default: none)")  # fmt: skip
+    p.add_argument("--num-speculative-tokens", type=int, help="the most tokens proposed per round, 1 to 15; fewer "
+                   "while proposals are not being kept (default: 4)")  # fmt: skip
+
+
+def speculative_args(args) -> dict:
+    """The speculative flags as Pipeline.load's keyword arguments."""
+    return dict(speculative=args.speculative, draft_model=args.draft_model,
+                num_speculative_tokens=args.num_speculative_tokens)  # fmt: skip
+
+
 def params_from_args(args):
     """The SamplingParams the flags ask for (unset ones: the checkpoint's defaults, filled at generation);
     raises naming the flag for an impossible value, before anything loads."""

@@ -23,6 +23,8 @@ from .flags import (
     quantize_flags,
     run_cli,
     sampling_flags,
+    speculative_args,
+    speculative_flags,
 )
 from .inputs import MAX_INPUT_BYTES, read_prompts, stdin_waiting
 
@@ -34,6 +36,7 @@ examples:
   echo "Why is the sky blue?" | {PROG} --temperature 0 --no-thinking
   {PROG} --model weights/tiny-qwen3 --prompt "Hi" --max-new-tokens 24 --seed 3 --show-stats
   {PROG} --prompts-file prompts.txt --batch-size 16 --max-new-tokens 128
+  {PROG} --model Qwen/Qwen3-8B --speculative draft --draft-model Qwen/Qwen3-0.6B --prompt "Hi" --show-stats
 
 limits: one prompt is at most {MAX_PROMPT_BYTES // 2**20} MiB of UTF-8, stdin or a prompts file at most \
 {MAX_INPUT_BYTES // 2**20} MiB.
@@ -48,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_flags(p)
     p.add_argument("--prompt", action="append", help="the prompt; repeat it to run a batch (default: stdin)")
     p.add_argument("--prompts-file", help="a UTF-8 file with one prompt per line, run --batch-size at a time (default: none)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                   help="prompts generated together; results print as each batch ends (default %(default)s)")  # fmt: skip
+    p.add_argument("--batch-size", type=int,
+                   help=f"prompts generated together; results print as each batch ends (default {DEFAULT_BATCH_SIZE}; "
+                   "1 with --speculative)")  # fmt: skip
     p.add_argument("--system", help="a system message (needs the chat template; default: none)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the checkpoint's chat template (default: on)")  # fmt: skip
@@ -61,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode with the KV cache; --no-kv-cache recomputes everything each step (default: on)")  # fmt: skip
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (CUDA graphs on GPU); the first step pays the compile time (default: off)")  # fmt: skip
+    speculative_flags(p)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens, for benchmarks (default: off)")
     p.add_argument("--show-stats", action="store_true", help="print a key=value stats line to stderr (default: off)")
     p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning (one prompt; default: off)")
@@ -79,9 +84,13 @@ def check_template_flags(args) -> None:
 def run(args) -> None:
     check_template_flags(args)
     check_quantize_flags(args)
+    if args.batch_size is None:
+        args.batch_size = 1 if args.speculative else DEFAULT_BATCH_SIZE
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     prompts = read_prompts(args.prompt, args.prompts_file, sys.stdin)  # before torch: bad input fails fast
+    if args.speculative and args.batch_size > 1 and len(prompts) > 1:
+        raise InputError("--speculative runs one prompt at a time: drop --batch-size or make it 1")
     if (args.prompt or args.prompts_file) and stdin_waiting(sys.stdin):
         print(f"{PROG}: warning: ignoring stdin, the prompt comes from --prompt/--prompts-file", file=sys.stderr)
     tools = check_reply_flags(args, prompts)
@@ -92,7 +101,7 @@ def run(args) -> None:
                          revision=args.revision, verify=args.verify, quantize=args.quantize,
                          quantize_group_size=args.quantize_group_size, use_cache=args.kv_cache,
                          compile=args.compile, measure_bandwidth=args.show_stats,
-                         tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+                         tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
     if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls
         print_reply(pipe, prompts[0], params, args, tools)

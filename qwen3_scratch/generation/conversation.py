@@ -24,7 +24,7 @@ import torch
 from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.model.kv_cache import KVCache, attended_slots, attention_mask
 from qwen3_scratch.model.qwen3 import Qwen3
-from qwen3_scratch.sampling.logits import NON_FINITE, sample
+from qwen3_scratch.sampling.logits import NON_FINITE, LogitsFilter, sample
 from qwen3_scratch.sampling.params import SamplingParams
 from qwen3_scratch.sampling.processors import LogitsProcessing, LoopProcessing
 from qwen3_scratch.text.chat_parser import Delta, StreamParser, prompt_opens_thinking
@@ -32,6 +32,7 @@ from qwen3_scratch.text.stop import AnswerStop, TextState
 from qwen3_scratch.text.tokenizer import Tokenizer
 
 from .loops import CACHE_BLOCK, plan_new_tokens
+from .stats import SpeculationStats
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -80,7 +81,21 @@ class ConversationCache:
         self.tokens.append(token)
         return logits
 
-    def _run(self, ids: list[int], start: int) -> torch.Tensor:
+    def extend(self, ids: list[int]) -> torch.Tensor:
+        """Append ids in one forward; returns the logits after each of them, (T, V): what checking
+        proposed tokens needs (generation/speculative.py)."""
+        self._reserve(len(self.tokens) + len(ids))
+        logits = self._run(ids, len(self.tokens), last_only=False)[0]  # (T, V)
+        self.tokens += ids
+        return logits
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens. The slots after them (rejected proposals) are stale, which
+        the invariant allows: the next forward overwrites them, and until then the causal mask, which
+        stops at the newest token, never lets a query see them."""
+        del self.tokens[length:]
+
+    def _run(self, ids: list[int], start: int, last_only: bool = True) -> torch.Tensor:
         device = self.model.device
         # One row and no padding: a token's slot is its RoPE position.
         slots = torch.arange(start, start + len(ids), device=device)  # (T,)
@@ -88,7 +103,8 @@ class ConversationCache:
         S = attended_slots(start + len(ids), self.cache.max_len)
         mask = attention_mask(slots, self.cache.key_valid[:, :S])  # (1, 1, T, S)
         input_ids = torch.tensor([ids], device=device)  # (1, T)
-        return self.model(input_ids, slots[None], mask, self.cache, slots, last_only=True)[:, -1]  # (1, V)
+        logits = self.model(input_ids, slots[None], mask, self.cache, slots, last_only=last_only)  # (1, T or 1, V)
+        return logits[:, -1] if last_only else logits
 
     def _reserve(self, length: int) -> None:
         """Grow to at least `length` slots (whole blocks, at most the context), keeping the valid ones."""
@@ -122,10 +138,14 @@ class TurnStats:
     reasoning_tokens: int
     ttft_seconds: float
     elapsed_seconds: float
+    speculation: SpeculationStats | None = None  # a speculative turn's counts (stats.py)
 
     def line(self) -> str:
+        pairs = {key: value for key, value in vars(self).items() if key != "speculation"}
+        if self.speculation is not None:
+            pairs |= self.speculation.pairs(self.generated_tokens)
         return " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
-                        for key, value in vars(self).items())  # fmt: skip
+                        for key, value in pairs.items())  # fmt: skip
 
 
 class Conversation:
@@ -136,10 +156,11 @@ class Conversation:
     """
 
     def __init__(self, model: Qwen3, tokenizer: Tokenizer, eos_ids: list[int], generation_config: dict,
-                 reuse: bool = True):  # fmt: skip
+                 reuse: bool = True, speculator=None):  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids, self.generation_config = set(eos_ids), generation_config
         self.reuse = reuse  # False: every turn prefills its whole prompt, as a single-prompt API does
+        self.speculator = speculator  # a speculative.Speculator: turns speculate over this cache
         self.cache = ConversationCache(model)
         self.last_message: dict | None = None
         self.last_prompt: list[int] = []
@@ -175,15 +196,12 @@ class Conversation:
         if processing is not None and processing.active:
             process = LoopProcessing(processing, torch.tensor([prompt], device=self.model.device),
                                      self.model.config.vocab_size, sorted(stop_ids))  # fmt: skip
+        if self.speculator is not None and process is None:
+            tokens = self.speculator.generate(self.cache, prompt, n_new, params.logits_filter, generator, stop_ids)
+        else:  # penalties, bias and the like read every earlier token: such a turn decodes one token a step
+            tokens = self.plain_tokens(prompt, n_new, params.logits_filter, generator, process)
         try:
-            logits = self.cache.prefill(prompt, reserve=n_new)  # (1, V)
-            for i in range(n_new):
-                finite = None
-                if process is not None:  # the model's logits are checked before processing bans tokens with -inf
-                    finite, logits = torch.isfinite(logits).all(dim=-1), process(logits)
-                token = int(sample(logits, params.logits_filter, generator, finite))  # the host sync streaming needs
-                if process is not None:
-                    process.push(torch.tensor([token], device=logits.device))
+            for i, token in enumerate(tokens):
                 if token == NON_FINITE:
                     raise GenerationError(f"stopped at generated token {i + 1}: the model's logits are NaN or inf; "
                                           "try --dtype float32, or download the checkpoint again")  # fmt: skip
@@ -193,8 +211,6 @@ class Conversation:
                 yield from shown.pieces(parser.push(token))
                 if stopped or token in stop_ids:
                     break
-                if i + 1 < n_new:
-                    logits = self.cache.step(token)
             finished = True
             yield from shown.pieces(parser.finish(), finished=True)
         finally:
@@ -203,5 +219,21 @@ class Conversation:
             self.last_message = parser.message()
             self.last_message["content"] = AnswerStop.cut(self.last_message["content"], params.stop)
             elapsed = time.perf_counter() - start
+            speculation = self.speculator.stats if self.speculator is not None else None
             self.last_stats = TurnStats(len(prompt), reused, len(self.last_ids), parser.reasoning_tokens,
-                                        ttft if ttft is not None else elapsed, elapsed)  # fmt: skip
+                                        ttft if ttft is not None else elapsed, elapsed, speculation)  # fmt: skip
+
+    def plain_tokens(self, prompt: list[int], n_new: int, params: LogitsFilter, generator,
+                     process: LoopProcessing | None = None) -> Iterator[int]:  # fmt: skip
+        """Plain decoding over the cache: one forward, one token (the consumer stops at EOS or a stop string)."""
+        logits = self.cache.prefill(prompt, reserve=n_new)  # (1, V)
+        for i in range(n_new):
+            finite = None
+            if process is not None:  # the model's logits are checked before processing bans tokens with -inf
+                finite, logits = torch.isfinite(logits).all(dim=-1), process(logits)
+            token = int(sample(logits, params, generator, finite))  # the host sync streaming needs anyway
+            if process is not None:
+                process.push(torch.tensor([token], device=logits.device))
+            yield token
+            if i + 1 < n_new:
+                logits = self.cache.step(token)

@@ -32,8 +32,10 @@ from qwen3_scratch.text.limits import DEFAULT_BATCH_SIZE, check_fits
 from qwen3_scratch.text.stop import TextState
 from qwen3_scratch.text.tokenizer import Tokenizer
 
-from .conversation import Conversation
-from .loops import generate_tokens
+from .conversation import Conversation, ConversationCache
+from .draft_model import check_draft_checkpoint
+from .loops import generate_tokens, plan_new_tokens
+from .speculative import check_speculative, make_speculator
 from .stats import (
     GenerationStats,
     bytes_per_decode_step,
@@ -48,6 +50,7 @@ CPU_COMPILE_REFUSAL = (
     "products are already compiled at load, and compiling the whole step was measured 2x slower after "
     "2 minutes of compiling (docs/performance.md); drop --compile"
 )
+SPECULATIVE_BATCH = "speculative decoding runs one prompt at a time: use batch_size=1 (--batch-size 1)"
 __all__ = ["DEFAULT_BATCH_SIZE", "Pipeline"]
 # SamplingParams fields the simple loops do not implement, with the value that means "not asked for"
 ENGINE_ONLY = {"n": 1, "logprobs": None, "prompt_logprobs": None, "structured_outputs": None}
@@ -57,16 +60,21 @@ class Pipeline:
     """One model, its tokenizer and the simple loops: text in, text (or typed chat pieces) out.
 
     How every call runs is fixed when the pipeline is made: `use_cache` (False: the full-recompute
-    reference loop), `compile` (the decode step as CUDA graphs; refused on a CPU) and
-    `measure_bandwidth` (for the stats line's bandwidth_util). What a call samples is its
+    reference loop), `compile` (the decode step as CUDA graphs; refused on a CPU),
+    `measure_bandwidth` (for the stats line's bandwidth_util) and `speculative` ("ngram": prompt
+    lookup, or "draft": `draft`, a smaller Qwen3 with the same tokenizer, proposes; at most
+    `num_speculative_tokens` a round; generation/speculative.py). What a call samples is its
     `SamplingParams`; None means SamplingParams() with the checkpoint's defaults."""
 
     def __init__(self, model, tokenizer: Tokenizer, checkpoint: Path, *, use_cache: bool = True,
-                 compile: bool = False, measure_bandwidth: bool = False):  # fmt: skip
+                 compile: bool = False, measure_bandwidth: bool = False, speculative: str | None = None,
+                 draft=None, num_speculative_tokens: int | None = None):  # fmt: skip
         if compile and model.device.type == "cpu":
             raise GenerationError(CPU_COMPILE_REFUSAL)
+        check_speculative(speculative, draft, num_speculative_tokens, use_cache, compile)
         self.model, self.tokenizer, self.checkpoint = model, tokenizer, Path(checkpoint)
         self.use_cache, self.compile, self.measure_bandwidth = use_cache, compile, measure_bandwidth
+        self.speculator = make_speculator(speculative, model, draft, num_speculative_tokens)
         tokenizer.check_fits_model(model.config.vocab_size, self.checkpoint)
         self.generation_config = load_generation_config(self.checkpoint, model.config.vocab_size)
         self.last_stats: GenerationStats | None = None
@@ -76,23 +84,34 @@ class Pipeline:
     @classmethod
     def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto",
              *, revision=None, verify=False, quantize=None, quantize_group_size=None, use_cache=True, compile=False,
-             measure_bandwidth=False, tensor_parallel_size=1) -> "Pipeline":  # fmt: skip
+             measure_bandwidth=False, tensor_parallel_size=1, speculative=None, draft_model=None,
+             num_speculative_tokens=None) -> "Pipeline":  # fmt: skip
         """Resolve `model` (a folder, or a Hub id downloaded into weights_dir), load it laid out for
         batch-1 decode (kernels/layout.py) on `device` in `dtype` (checkpoint/placement.py's rule);
-        tensor_parallel_size > 1 splits it over that many processes (parallel/)."""
+        tensor_parallel_size > 1 splits it over that many processes (parallel/).
+        draft_model (with speculative="draft"): the draft's folder or Hub id, loaded the same way."""
         device = pick_device(device)
         if compile and device == "cpu":  # before any download or load
             raise GenerationError(CPU_COMPILE_REFUSAL)
+        check_speculative(speculative, draft_model, num_speculative_tokens, use_cache, compile)
+        if speculative is not None and tensor_parallel_size != 1:
+            raise GenerationError("--speculative runs on one device: drop --tensor-parallel-size or --speculative")
         folder = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                     verify=verify)  # fmt: skip
         tokenizer = Tokenizer.from_checkpoint(folder)
         layout = dict(optimize="decode", quantize=quantize, quantize_group_size=quantize_group_size)
+        draft = None
+        if draft_model is not None:
+            draft_folder = resolve_checkpoint(draft_model, weights_dir, local_files_only=local_files_only)
+            check_draft_checkpoint(folder, tokenizer, draft_folder)
+            draft = load_model(draft_folder, device, pick_dtype(dtype, device), **layout)
         if tensor_parallel_size != 1:  # (0 or -1 are refused there, in one line)
             weights = load_parallel_model(folder, tensor_parallel_size, device, pick_dtype(dtype, device), **layout)
         else:
             weights = load_model(folder, device, pick_dtype(dtype, device), **layout)
         return cls(weights, tokenizer, folder, use_cache=use_cache, compile=compile,
-                   measure_bandwidth=measure_bandwidth)  # fmt: skip
+                   measure_bandwidth=measure_bandwidth, speculative=speculative, draft=draft,
+                   num_speculative_tokens=num_speculative_tokens)  # fmt: skip
 
     def resolve(self, params: SamplingParams | None) -> SamplingParams:
         """params (None: SamplingParams()) with the checkpoint's defaults for what it leaves unset; refuses the
@@ -153,13 +172,8 @@ class Pipeline:
         reset_peak_memory(self.device)
         start = time.perf_counter()
         ttft, steps, generated, first = None, 0, 0, 0
-        tokens = generate_tokens(
-            self.model, prompts, max_new, params.logits_filter, self.stop_ids(params), generator,
-            use_cache=self.use_cache, pad_id=pad_id, compile=self.compile, processing=self.processing(params),
-        )  # fmt: skip
         try:
-            for step_tokens in tokens:
-                row_tokens = step_tokens.tolist()  # the host sync streaming needs
+            for row_tokens in self._steps(prompts, max_new, params, generator, pad_id):
                 if NON_FINITE in row_tokens:
                     raise GenerationError(
                         f"stopped at generated token {steps + 1} (batch row {row_tokens.index(NON_FINITE) + 1}): "
@@ -176,9 +190,28 @@ class Pipeline:
             if steps:
                 synchronize(self.device)
                 elapsed = time.perf_counter() - start
-                self._record(prompts, steps, generated, generated - first, elapsed, ttft)
+                speculation = self.speculator.stats if self.speculator is not None else None
+                self._record(prompts, steps, generated, generated - first, elapsed, ttft, speculation)
 
-    def _record(self, prompts, steps, generated, decode_tokens, elapsed, ttft):
+    def _steps(self, prompts, max_new: int, params: SamplingParams, generator, pad_id: int) -> Iterator[list[int]]:
+        """Each step's new token per row: the plain loops (loops.py), or speculation's tokens one at a time."""
+        processing = self.processing(params)
+        if self.speculator is None or processing.active:  # penalties and the like: one token a step
+            for step_tokens in generate_tokens(
+                self.model, prompts, max_new, params.logits_filter, self.stop_ids(params), generator,
+                use_cache=self.use_cache, pad_id=pad_id, compile=self.compile, processing=processing,
+            ):  # fmt: skip
+                yield step_tokens.tolist()  # the host sync streaming needs
+            return
+        if len(prompts) > 1:
+            raise GenerationError(SPECULATIVE_BATCH)
+        n_new = plan_new_tokens(len(prompts[0]), max_new, self.model.config.max_position_embeddings)
+        cache = ConversationCache(self.model)  # one sequence's cache, rolled back as proposals are rejected
+        for token in self.speculator.generate(cache, prompts[0], n_new, params.logits_filter, generator,
+                                              self.stop_ids(params)):  # fmt: skip
+            yield [token]
+
+    def _record(self, prompts, steps, generated, decode_tokens, elapsed, ttft, speculation=None):
         width = max(len(p) for p in prompts)
         config = self.model.config
         self.last_stop_reason = "context" if width + steps >= config.max_position_embeddings else None
@@ -187,7 +220,7 @@ class Pipeline:
             generated_tokens=generated,
             elapsed_seconds=elapsed,
             ttft_seconds=ttft,
-            decode_steps=max(steps - 1, 0),
+            decode_steps=speculation.forwards if speculation is not None else max(steps - 1, 0),
             decode_tokens=decode_tokens,
             batch_size=len(prompts),
             device=str(self.device),
@@ -197,6 +230,7 @@ class Pipeline:
             # the cache grows during decode; its mean length is what a step reads on average
             bytes_per_step=bytes_per_decode_step(self.model, config, width + steps // 2, len(prompts)),
             bandwidth_bytes_per_second=measure_bandwidth(self.device) if self.measure_bandwidth else None,
+            speculation=speculation,
         )
 
     def stream(self, prompt: str, params: SamplingParams | None = None, **template) -> Iterator[str]:
@@ -236,6 +270,8 @@ class Pipeline:
         """
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise GenerationError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
+        if self.speculator is not None and batch_size > 1 and len(prompts) > 1:
+            raise GenerationError(SPECULATIVE_BATCH)
         params = self.resolve(params)
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
@@ -255,7 +291,8 @@ class Pipeline:
     def conversation(self) -> Conversation:
         """The chat state: one KV cache kept across chat turns (conversation.py)."""
         if self._conversation is None:
-            self._conversation = Conversation(self.model, self.tokenizer, self.eos_ids, self.generation_config)
+            self._conversation = Conversation(self.model, self.tokenizer, self.eos_ids, self.generation_config,
+                                              speculator=self.speculator)  # fmt: skip
         return self._conversation
 
     def chat_stream(self, messages: list[dict], params: SamplingParams | None = None, tools=None,
@@ -271,7 +308,7 @@ class Pipeline:
             if (turn := conversation.last_stats) is not None:
                 steps = turn.generated_tokens
                 self._record([conversation.last_prompt], steps, steps, max(steps - 1, 0),
-                             turn.elapsed_seconds, turn.ttft_seconds)  # fmt: skip
+                             turn.elapsed_seconds, turn.ttft_seconds, turn.speculation)  # fmt: skip
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, tools=None,
              thinking: bool = True) -> dict:  # fmt: skip

@@ -21,6 +21,10 @@ The stats line (`GenerationStats.line`), key by key, for one generation (one bat
                             CUDA: the most memory torch's allocator handed out on the device during this
                             generation (weights, cache, activations; not its reserved-but-free cache).
   bandwidth_util            decode steps/s x bytes a step reads / measured bandwidth ("n/a" unless asked)
+With speculative decoding (speculative.py), three more, and a decode step is one target forward:
+  accepted_tokens           proposed tokens the target kept
+  acceptance_rate           accepted_tokens / tokens proposed (each checked by the target)
+  tokens_per_forward        tokens made after the first / target forwards after the prefill (plain decoding: 1)
 """
 
 import resource
@@ -33,6 +37,30 @@ from qwen3_scratch.model.config import Qwen3Config
 from qwen3_scratch.model.moe import SparseMoeBlock
 
 _BANDWIDTH_CACHE: dict[str, float] = {}
+
+
+@dataclass
+class SpeculationStats:
+    """What speculative decoding did in one generation (see the module docstring)."""
+
+    forwards: int = 0  # target forwards after the prefill; each checked a round's proposals
+    proposed: int = 0  # tokens proposed, and checked by the target
+    accepted: int = 0  # of those, the tokens the target kept
+
+    def add_round(self, proposed: int, accepted: int) -> None:
+        self.forwards += 1
+        self.proposed += proposed
+        self.accepted += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def pairs(self, generated_tokens: int) -> dict[str, str]:
+        """The stats line's keys for a generation of generated_tokens (its first came from the prefill)."""
+        per_forward = (generated_tokens - 1) / self.forwards if self.forwards else 1.0
+        return {"accepted_tokens": str(self.accepted), "acceptance_rate": f"{self.acceptance_rate:.3f}",
+                "tokens_per_forward": f"{per_forward:.2f}"}  # fmt: skip
 
 
 @dataclass
@@ -49,6 +77,7 @@ class GenerationStats:
     peak_memory_bytes: int
     bytes_per_step: int  # weights + KV cache read by one decode step
     bandwidth_bytes_per_second: float | None = None  # measured; None if not asked for
+    speculation: SpeculationStats | None = None  # a speculative generation's counts; None for plain decoding
 
     @property
     def tokens_per_second(self) -> float:
@@ -84,6 +113,8 @@ class GenerationStats:
             "peak_memory_mb": f"{self.peak_memory_bytes / 2**20:.0f}",
             "bandwidth_util": "n/a" if self.bandwidth_util is None else f"{self.bandwidth_util:.3g}",
         }
+        if self.speculation is not None:
+            pairs |= self.speculation.pairs(self.generated_tokens)
         return " ".join(f"{k}={v}" for k, v in pairs.items())
 
 

@@ -1,7 +1,8 @@
 """Fast paths for the model, swapped in at load time over the unchanged model.
 
 matvec.py (one-row products compiled by inductor into streaming loops), cpu_decode.py (the ops between
-them as a few kernels a layer), fuse.py (fused, oneDNN-prepacked matrices for batches), quantize.py
+them as a few kernels a layer), fewrow.py (products of a few rows sharing one read of a bf16 matrix:
+speculative decoding's verification), fuse.py (fused, oneDNN-prepacked matrices for batches), quantize.py
 (int8 weights), int4.py (int4 weights) and layout.py, which picks among them. Each module says what it buys, measured, and
 which test proves it equals the exact path (the model's own layers, model/).
 
