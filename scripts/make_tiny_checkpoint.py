@@ -96,11 +96,12 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, norm_
 SHARD_BYTES = 500_000  # the tiny model is ~1.3 MB: a few shards plus model.safetensors.index.json
 
 
-def train_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
-    """Train a Qwen-style byte-level BPE on the built-in corpus and add Qwen3's control tokens.
+def train_tiny_tokenizer(vocab_size: int = 1024, corpus=None, added=THINK_TOKENS + TOOL_TOKENS) -> Tokenizer:
+    """Train a Qwen-style byte-level BPE on `corpus` (lines of text; default the built-in one) and add
+    Qwen3's control tokens: the three special ones, then `added` (plain added tokens) in that order.
 
     Training is deterministic, so every call returns the same tokenizer. The control tokens get
-    the ids right after the trained vocabulary, in Qwen3's order.
+    the ids right after the trained vocabulary.
     """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
@@ -116,9 +117,9 @@ def train_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    tokenizer.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    tokenizer.train_from_iterator(corpus if corpus is not None else CORPUS.splitlines(keepends=True), trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS + TOOL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return tokenizer
 
 

@@ -33,3 +33,19 @@ def real_vocab_hf_tokenizer(real_vocab_folder):
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(real_vocab_folder)
+
+
+# Steps the test session trains for: ~85 s on the 2-core AMD EPYC (docs/performance.md#a-tiny-qwen3-trained-here),
+# a fifth of the default budget: enough for the tests' bar (see tests/test_trained_tiny.py), not for the
+# default model's accuracy.
+TRAINED_TINY_STEPS = 250
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory):
+    """A tiny Qwen3 trained by scripts/train_tiny.py (target shapes, seed 0), once per test run."""
+    import train_tiny
+
+    tokenizer = train_tiny.build_tokenizer(seed=0)
+    out = tmp_path_factory.mktemp("trained") / "tiny-qwen3-trained"
+    return train_tiny.train_checkpoint(out, train_tiny.TARGET, tokenizer, TRAINED_TINY_STEPS, seed=0, name="test")

@@ -1,0 +1,132 @@
+"""scripts/train_tiny.py trains a Qwen3 that learns: held-out answers, tool calls, and a checkpoint transformers
+reads as we do. The training itself runs once per test session (the `trained_tiny` fixture in conftest.py)."""
+
+import json
+import random
+import re
+
+import pytest
+import torch
+import train_tiny
+from checkpoints import assert_logits_match
+from eval_tiny import greedy_replies, parsed, tool_scores
+from tiny_corpus import Packer, assistant_turn_document, chat_documents, exercise_messages, reply
+from tiny_tasks import CALCULATOR, FAMILIES, calculate, exercise, is_held_out, read_answer
+
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.text.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(trained_tiny):
+    return load_model(trained_tiny, "cpu", "float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(trained_tiny):
+    return Tokenizer.from_checkpoint(trained_tiny)
+
+
+def test_held_out_questions_get_reasoning_and_an_answer_line_in_the_trained_format(model, tokenizer):
+    """What the test's budget teaches: Qwen3's reply structure, not yet the arithmetic (docs/performance.md says
+    how far the default budget gets). A random model writes neither a <think> block nor an answer line."""
+    rng = random.Random(0)
+    tasks = [exercise("convert", rng, held_out=True) for _ in range(20)]
+    prompts = [tokenizer.chat_ids([{"role": "user", "content": t.question}], enable_thinking=True) for t in tasks]
+    messages = [parsed(tokenizer, p, r) for p, r in zip(prompts, greedy_replies(model, tokenizer, prompts))]
+    reasoned = sum(bool(m["reasoning_content"]) for m in messages)
+    answer_lines = sum(bool(re.fullmatch(r"\d+ \w+ = \d+ \w+", m["content"].strip())) for m in messages)
+    assert reasoned >= 18, f"with thinking on, replies should show their working: {messages[:2]}"
+    # 250 steps: 9 of these 20 replies close their reasoning and give the answer line (seed 0, 2 threads); the
+    # rest run on writing digits until max_new_tokens. A random model gives 0.
+    assert answer_lines >= 5, f"replies should end in the trained answer line 'V unit = W unit': {messages[:2]}"
+
+
+def test_calculator_questions_get_a_tool_call_the_parser_accepts(model, tokenizer):
+    scores = tool_scores(model, tokenizer, n=10, seed=0)
+    assert scores["well_formed"] >= 0.5, f"held-out calculator questions: {scores}"
+
+
+def test_transformers_loads_the_trained_checkpoint_and_gives_our_logits(trained_tiny, model, tokenizer):
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(trained_tiny, dtype=torch.float32).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(trained_tiny)
+    messages = [{"role": "user", "content": "What is 347 + 285?"}]
+    ids = tokenizer.chat_ids(messages)
+    assert ids == hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False), "the two tokenizers disagree"  # fmt: skip
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        assert_logits_match(model(ids), reference(ids).logits, "trained checkpoint")
+
+
+def test_checkpoint_has_the_hub_layout_and_qwen3s_control_tokens_in_order(trained_tiny, tokenizer):
+    files = {p.name for p in trained_tiny.iterdir()}
+    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert expected <= files, f"missing {expected - files}"
+    control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *train_tiny.QWEN3_ADDED]
+    ids = [tokenizer.token_to_id(t) for t in control]
+    assert ids == sorted(ids) and ids[-1] - ids[0] == len(ids) - 1, f"Qwen3's order, consecutive ids: {ids}"
+    log = json.loads((trained_tiny / "training_log.json").read_text())
+    # Each step's batch mixes chat and text differently, so compare the chat loss, averaged over ten steps.
+    first, last = sum(log["chat_loss"][:10]) / 10, sum(log["chat_loss"][-10:]) / 10
+    assert last < first / 3, f"the chat loss should fall: {first:.2f} over the first ten steps, {last:.2f} the last ten"
+
+
+def test_training_is_deterministic_for_a_seed(trained_tiny, tokenizer, tmp_path):
+    def weights(seed):
+        out = train_tiny.train_checkpoint(tmp_path / f"s{seed}-{random.random()}", TINY_SHAPES, tokenizer, 2, seed, "t")
+        return load_model(out, "cpu", "float32").state_dict()
+
+    first, again, other = weights(0), weights(0), weights(1)
+    assert all(torch.equal(first[k], again[k]) for k in first), "the same seed should give the same weights"
+    # (the embedding, not a norm: two steps move a norm's 1.0 by less than bf16's spacing there, 2^-7)
+    key = "model.embed_tokens.weight"
+    assert not torch.equal(first[key], other[key]), "another seed should give other weights"
+
+
+TINY_SHAPES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=16, max_position_embeddings=1024)  # fmt: skip
+
+
+def test_only_the_assistants_reply_is_trained(tokenizer):
+    rng = random.Random(0)
+    messages, task, thinking, tools = exercise_messages(rng, "add")
+    doc = assistant_turn_document(tokenizer, messages + [reply(task, True)], tools, thinking=True)
+    trained = tokenizer.decode([t for t, on in zip(doc.ids, doc.trained) if on])
+    assert trained == f"<think>\n{task.working}\n</think>\n\n{task.answer}<|im_end|>"
+    doc = assistant_turn_document(tokenizer, messages + [reply(task, False)], tools, thinking=False)
+    trained = tokenizer.decode([t for t, on in zip(doc.ids, doc.trained) if on])
+    assert trained == f"{task.answer}<|im_end|>", "thinking off: the empty think block is the template's, not trained"
+
+
+def test_held_out_exercises_never_reach_training(tokenizer):
+    rng = random.Random(1)
+    for family in [*FAMILIES, "tool"]:
+        for _ in range(200):
+            assert not is_held_out(exercise(family, rng).key)
+            assert is_held_out(exercise(family, rng, held_out=True).key)
+    docs = [doc for _ in range(100) for doc in chat_documents(tokenizer, rng)]
+    texts = [tokenizer.decode(doc.ids) for doc in docs]
+    held = [exercise("add", random.Random(i), held_out=True).question for i in range(50)]
+    assert not any(question in text for question in held for text in texts)
+
+
+def test_packed_rows_keep_documents_apart(tokenizer):
+    batch = Packer(tokenizer, seed=0, seq_len=512).batch(2)
+    starts = (batch.positions == 0).nonzero().tolist()
+    assert len(starts) > 2, "rows should hold several documents"
+    b, t = next((b, t) for b, t in starts if t > 0)
+    assert not batch.mask[b, 0, t, t - 1], "a document's first token must not see the previous document"
+    assert batch.mask[b, 0, t, t] and batch.mask[b, 0, t - 1, t - 2]
+
+
+def test_answers_and_the_calculator_are_read_back_exactly():
+    assert read_answer("add", "347 + 285 = 632") == 632
+    assert read_answer("sort", "Sorted: 7, 19, 42") == (7, 19, 42)
+    assert calculate("4821 * 37") == 178377 and calculate("12 - 30") == -18
+    for bad in ("__import__('os')", "2 ** 10", "1 / 2", "x + 1", "9" * 201):
+        with pytest.raises(ValueError):
+            calculate(bad)
+    assert CALCULATOR["function"]["name"] == "calculator"
