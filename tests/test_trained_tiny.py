@@ -130,3 +130,18 @@ def test_answers_and_the_calculator_are_read_back_exactly():
         with pytest.raises(ValueError):
             calculate(bad)
     assert CALCULATOR["function"]["name"] == "calculator"
+
+
+def test_training_reaches_every_parameter():
+    """The loss's gradient flows into every weight, the body's included (an inference-only no_grad on the
+    way would leave only the tied embedding learning, slowly)."""
+    from types import SimpleNamespace
+
+    from make_tiny_checkpoint import model_config
+
+    model = train_tiny.new_model({**model_config(256, 0, 1), **train_tiny.TARGET}, seed=0)
+    ids = torch.randint(0, 256, (2, 12))
+    batch = SimpleNamespace(ids=ids, positions=torch.arange(12).expand(2, 12), mask=None)
+    train_tiny.logits_with_grad(model, batch).float().logsumexp(-1).mean().backward()
+    missing = [name for name, param in model.named_parameters() if param.grad is None or not param.grad.any()]
+    assert not missing, f"no gradient reached {missing[:5]}"

@@ -90,6 +90,7 @@ class Embedder:
                 batch.append(i)
         return out
 
+    @torch.inference_mode()
     def _embed_batch(self, prompts: list[list[int]], dimensions: int | None) -> torch.Tensor:
         T, device = max(len(p) for p in prompts), self.model.device
         ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts], device=device)  # (B, T) left-padded

@@ -246,9 +246,9 @@ class Qwen3(nn.Module):
             x = x[:, -1:, :]  # (B, 1, C): generation only needs the next token's scores
         return self.lm_head(x)  # (B, T, V)
 
-    @torch.no_grad()
     def hidden_states(self, input_ids, position_ids=None, mask=None, cache: KVCache | None = None, cache_slots=None):
-        """input_ids (B, T) -> the body's final hidden states (B, T, C); arguments as forward's."""
+        """input_ids (B, T) -> the body's final hidden states (B, T, C); arguments as forward's. Not itself
+        no_grad: forward's undecorated self (`Qwen3.forward.__wrapped__`) is what training differentiates."""
         B, T = input_ids.shape
         if position_ids is None:
             self.reserve_positions(T)
