@@ -1,3 +1,4 @@
+import signal
 import sys
 from pathlib import Path
 
@@ -8,6 +9,11 @@ ROOT = Path(__file__).resolve().parents[1]
 for folder in (ROOT / "tests", ROOT / "scripts"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
+
+# A shell starts a background job (`pytest ... &`) with SIGINT ignored, and every child inherits that: the
+# Ctrl-C tests' commands would never see their SIGINT. Handled (not ignored) here, children start with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
