@@ -52,6 +52,8 @@ def speculate(target: ConversationCache, proposer, last: int, k: int, params: Lo
     own next token) and how many tokens were proposed."""
     start = len(target.tokens)
     proposed, proposal_probs = proposer.propose(target.tokens + [last], k, params, generator)  # (k,), (k, V) or None
+    if not proposed:  # nothing to check: a plain decode step (chat's loop), no verification machinery
+        return [int(sample(target.step(last), params, generator))], 0
     logits = target.extend([last] + proposed)  # (k+1, V): one forward, row i says what follows proposal i
     new = verify(logits, proposed, proposal_probs, params, generator)  # 1 to k+1 tokens
     # Keep `last` and the kept proposals; the slots after them held rejected tokens.
