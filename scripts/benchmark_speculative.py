@@ -5,6 +5,7 @@ against plain decoding as a function of the acceptance rate; prompt lookup on a 
     python scripts/benchmark_speculative.py --only costs          # the verification and draft costs only
     python scripts/benchmark_speculative.py --only agreement      # bf16: speculative greedy vs plain greedy
     python scripts/benchmark_speculative.py --quick --only draft  # the adaptive k's rows only (~3 min)
+    python scripts/benchmark_speculative.py --only fallback --repeats 5   # nothing kept: the cost of trying
 
 The target has Qwen3-0.6B's exact shapes (random weights; make_shape_checkpoint.py writes it if missing),
 in bf16 (this CPU's default) and the decode layout Pipeline loads it in. How the figures stay honest:
@@ -276,6 +277,25 @@ def lookup_workloads(target, args) -> dict:
     return result
 
 
+def fallback(target, draft_folder, args) -> dict:
+    """Where nothing is kept, side by side in one alternation: chat's loop (no speculation), prompt lookup
+    that finds no earlier match (so proposes nothing), and a draft that is always wrong (adaptive k)."""
+    tokens = random.Random(3).choices(range(1000, 150_000), k=args.prompt_tokens + args.new_tokens + 32)
+    handle = script(target, tokens)
+    prompt = tokens[: args.prompt_tokens]
+    expected = tokens[args.prompt_tokens : args.prompt_tokens + args.new_tokens]
+    draft = load_model(draft_folder, "cpu", torch.bfloat16, optimize="decode")
+    configs = {
+        "plain, chat's loop": lambda: chat_loop_rate(target, prompt, args.new_tokens),
+        "ngram, nothing proposed": lambda: spec_rate(target, PromptLookup(), prompt, args.new_tokens, 4, True, expected),
+        "draft a=0.00 k=<=4 adaptive": lambda: spec_rate(target, OracleDraft(draft, target, tokens, 0.0), prompt,
+                                                         args.new_tokens, 4, True, expected),  # fmt: skip
+    }
+    table = alternate(configs, lambda: plain_rate(target, prompt, args.new_tokens), args.repeats)
+    handle.remove()
+    return table
+
+
 def agreement(args) -> dict:
     """bf16, unscripted: how often speculative greedy output equals plain greedy output, token for token."""
     result = {}
@@ -299,7 +319,7 @@ def agreement(args) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["costs", "draft", "ngram", "agreement"], help="one part (default: all)")
+    parser.add_argument("--only", choices=["costs", "draft", "ngram", "fallback", "agreement"], help="one part (default: all)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=96)
@@ -320,6 +340,8 @@ def main(argv=None) -> None:
         report["draft"] = draft_sweep(target, draft_folder, args)
     if args.only in (None, "ngram"):
         report["ngram"] = lookup_workloads(target, args)
+    if args.only in (None, "fallback"):
+        report["fallback"] = fallback(target, draft_folder, args)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
