@@ -21,6 +21,7 @@ import ast
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -207,6 +208,9 @@ def fill(readme: str, bodies: dict[str, str]) -> str:
 @contextmanager
 def served(cwd: Path, port: int = PORT):
     """serve_command(port) running in the background until the block ends; waits for /health first."""
+    with socket.socket() as probe:  # another server there would answer the demos in this one's place
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is already in use: stop what listens there, then run this again")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     command = serve_command(port)
     server = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
