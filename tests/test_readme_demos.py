@@ -1,0 +1,83 @@
+"""scripts/readme_demos.py: README shows the commands the script runs, and the script really runs them.
+
+The outputs in README come from the default 5-minute checkpoint; here the demos run on the test session's
+trained checkpoint (the `trained_tiny` fixture), so what is checked is that each command works and its
+output parses as README's verdicts need, not what the model answers.
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import readme_demos
+from live_server import free_port
+from tiny_tasks import CALCULATOR, is_held_out
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_demo_has_a_readme_region_showing_exactly_the_command_it_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    shown = readme_demos.regions(readme)
+    demos = readme_demos.demos()
+    assert set(shown) == {d.name for d in demos}, "README's <!-- demo: NAME --> regions and the script's demos differ"
+    for demo in demos:
+        assert shown[demo.name].startswith(f"```{demo.language}\n{demo.code.rstrip()}\n```\n```\n"), (
+            f"README's region {demo.name} does not show the command the script runs: run scripts/readme_demos.py"
+        )
+    assert readme_demos.serve_command() in readme, "README should show the server command the demos start"
+
+
+def test_fill_rewrites_only_the_regions_it_is_given():
+    readme = "a\n<!-- demo: one -->\n<!-- /demo -->\nb\n<!-- demo: two -->\nkept\n<!-- /demo -->\nc"
+    once = readme_demos.fill(readme, {"one": "new"})
+    assert once == readme.replace("one -->\n", "one -->\nnew\n"), once
+    assert readme_demos.fill(once, {"one": "newer"}) == readme.replace("one -->\n", "one -->\nnewer\n")
+    with pytest.raises(KeyError, match="three"):
+        readme_demos.fill(readme, {"three": "x"})
+
+
+def test_every_question_the_demos_ask_is_held_out_from_training():
+    """README says so: the demos show answers to questions the model never trained on."""
+    asked = [q for d in readme_demos.demos() for q in re.findall(r"What is (\d+) ([-+*]) (\d+)\?", d.code)]
+    assert len(asked) == 8, asked  # every question of the trained demos
+    for a, op, b in asked:
+        a, b = int(a), int(b)
+        key = {"+": f"add {min(a, b)} {max(a, b)}", "-": f"subtract {a} {b}", "*": f"tool {a} * {b}"}[op]
+        assert is_held_out(key), f"{a} {op} {b} is in the training split: pick a held-out question"
+
+
+def test_calculator_json_is_the_schema_the_model_was_trained_with():
+    assert json.loads((ROOT / "scripts" / "calculator.json").read_text()) == [CALCULATOR]
+
+
+@pytest.fixture(scope="module")
+def demo_root(trained_tiny, tmp_path_factory):
+    """A folder laid out like the repository for the demos' relative paths: weights/ and scripts/."""
+    root = tmp_path_factory.mktemp("readme-demos")
+    (root / "weights").mkdir()
+    os.symlink(trained_tiny, root / readme_demos.TRAINED)
+    os.symlink(ROOT / "scripts", root / "scripts")
+    return root
+
+
+def test_the_trained_chat_demos_run_and_their_answers_are_read(demo_root):
+    by_name = {d.name: d for d in readme_demos.demos()}
+    bodies = readme_demos.outputs([by_name["chat-trained"], by_name["chat-turns"]], demo_root)
+    assert "[thinking]" in bodies["chat-trained"], bodies["chat-trained"]
+    assert "prompt_tokens=" in bodies["chat-turns"] and "thinking off" in bodies["chat-turns"], bodies["chat-turns"]
+    for body in bodies.values():  # the verdict line, whatever the answer
+        assert body.splitlines()[-1].startswith(("The answer is", "The answers are")), body
+
+
+def test_the_server_demos_run_against_qwen3_serve_with_curl_and_the_openai_client(demo_root):
+    """The curl request (sent twice) and the openai client's tool round trip, on a server the script starts."""
+    port = free_port()
+    by_name = {d.name: d for d in readme_demos.demos(port)}
+    bodies = readme_demos.outputs([by_name["curl"], by_name["openai-tool"]], demo_root, port)
+    response = json.loads(bodies["curl"].split("```\n")[2])
+    assert response["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "the second run should hit the prefix cache"
+    assert response["choices"][0]["message"]["reasoning_content"], response
+    assert "tool call:  calculator" in bodies["openai-tool"] and "answer:" in bodies["openai-tool"], bodies["openai-tool"]
