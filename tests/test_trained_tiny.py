@@ -16,8 +16,9 @@ from tiny_tasks import CALCULATOR, FAMILIES, calculate, exercise, is_held_out, r
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.text.tokenizer import Tokenizer
 
-# The fixture's budget (conftest.py) reaches these on seed 0 (docs/performance.md); a random model gets 0%.
-EASY_FAMILIES, EASY_BAR = ("repeat", "convert"), 0.3
+# The fixture (conftest.py, seed 0, 2 threads) gets 43% / 60% on held-out conversions with thinking on / off, and
+# 9 of 10 well-formed calculator calls; an untrained or a structure-only model gets 0% (docs/performance.md).
+EASY_FAMILY, EASY_BAR = "convert", 0.3
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +44,18 @@ def test_held_out_questions_get_reasoning_and_the_trained_answer_line(model, tok
     assert answer_lines >= 15, f"replies should end in the trained answer line 'V unit = W unit': {messages[:2]}"
 
 
-@pytest.mark.parametrize("family", EASY_FAMILIES)
-def test_held_out_questions_of_an_easy_family_are_answered_well_above_chance(model, tokenizer, family):
-    """Learning, not format: the exact answer to questions never trained on. Chance is ~0 (the answer is a
-    list of 2-5 numbers below 1,000 copied in order, or a value times 10, 100 or 1,000 with its units); an
-    untrained or a structure-only model (the body frozen, docs/performance-history.md) scores 0%."""
-    scores = {thinking: exercise_scores(model, tokenizer, family, thinking, n=30, seed=0)["accuracy"]
+def test_held_out_unit_conversions_are_answered_well_above_chance(model, tokenizer):
+    """Learning, not format: the exact value of conversions never trained on (a 1-3 digit value copied from the
+    question, times 10, 100 or 1,000). Guessing a value gets ~0.1%; an untrained model, or the structure-only
+    model of the first recipe (docs/performance-history.md), gets 0%."""
+    scores = {thinking: exercise_scores(model, tokenizer, EASY_FAMILY, thinking, n=30, seed=0)["accuracy"]
               for thinking in (True, False)}  # fmt: skip
-    assert max(scores.values()) >= EASY_BAR, f"held-out {family} accuracy, thinking on/off: {scores}"
+    assert min(scores.values()) >= EASY_BAR, f"held-out {EASY_FAMILY} accuracy, thinking on / off: {scores}"
 
 
 def test_calculator_questions_get_a_tool_call_the_parser_accepts(model, tokenizer):
     scores = tool_scores(model, tokenizer, n=10, seed=0)
-    assert scores["well_formed"] >= 0.5, f"held-out calculator questions: {scores}"
+    assert scores["well_formed"] >= 0.7, f"held-out calculator questions: {scores}"
 
 
 def test_transformers_loads_the_trained_checkpoint_and_gives_our_logits(trained_tiny, model, tokenizer):
