@@ -1,6 +1,6 @@
 """What the tiny trained Qwen3 can do, measured on questions it never saw, in bf16 and quantized.
 
-    python scripts/eval_tiny.py                                     # weights/tiny-qwen3-trained, bf16 and int8
+    python scripts/eval_tiny.py                                     # weights/tiny-qwen3-trained: bf16, int8 and int4
     python scripts/eval_tiny.py --checkpoint /tmp/tiny --schemes none --per-family 20
 
 Every question is drawn from the held-out tenth of its family (tiny_tasks.is_held_out) and answered greedily:

@@ -6,6 +6,7 @@ back out, so accuracy is a comparison, not a judgement:
 
     add        347 + 285         column by column from the right, with carries
     subtract   502 - 287         column by column from the right, with borrows
+    repeat     42, 7, 19         copy the list (the easy family: every other one starts by copying)
     sort       42, 7, 19, 88     take the smallest of what is left, until nothing is
     convert    7 km to m         1 km = 1000 m, so multiply (append the zeros)
     tool       4821 * 37         too long to work by hand: call the calculator, then report its result
@@ -121,7 +122,19 @@ def make_convert(rng: random.Random) -> Exercise:
                     f"convert {value} {big} {small}")  # fmt: skip
 
 
-FAMILIES = {"add": make_add, "subtract": make_subtract, "sort": make_sort, "convert": make_convert}
+def make_repeat(rng: random.Random) -> Exercise:
+    """The easy family: copy a short list from the question. Every other family starts by copying numbers
+    from the question, and copying (an induction head) is what a tiny model learns first when it is asked for."""
+    values = [rng.randint(0, 999) for _ in range(rng.randint(2, 5))]
+    listed = ", ".join(map(str, values))
+    working = f"The numbers, in the order given: {listed}."
+    question = rng.choice(["Repeat these numbers: {v}.", "Say {v} back to me.", "Copy this list: {v}",
+                           "Write {v} again."]).format(v=listed)  # fmt: skip
+    return Exercise("repeat", question, working, f"Repeated: {listed}", tuple(values), "repeat " + " ".join(map(str, values)))
+
+
+FAMILIES = {"repeat": make_repeat, "add": make_add, "subtract": make_subtract, "sort": make_sort,
+            "convert": make_convert}  # fmt: skip
 
 
 def exercise(family: str, rng: random.Random, held_out: bool = False) -> Exercise:
@@ -135,7 +148,7 @@ def exercise(family: str, rng: random.Random, held_out: bool = False) -> Exercis
 def read_answer(family: str, content: str):
     """The answer a reply gives: the last integer of its content, or for sort every integer in order."""
     found = [int(n) for n in re.findall(r"-?\d+", content or "")]
-    if family == "sort":
+    if family in ("sort", "repeat"):
         return tuple(found)
     return found[-1] if found else None
 

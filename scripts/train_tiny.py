@@ -43,7 +43,7 @@ from make_tiny_checkpoint import (  # noqa: E402
     train_tiny_tokenizer,
     write_json,
 )
-from tiny_corpus import Packer, chat_documents, text_pieces  # noqa: E402
+from tiny_corpus import CHAT_MIX, TEXT_SHARE, Packer, chat_documents, text_pieces  # noqa: E402
 
 from qwen3_scratch.model.config import Qwen3Config  # noqa: E402
 from qwen3_scratch.model.qwen3 import Qwen3  # noqa: E402
@@ -52,16 +52,26 @@ from qwen3_scratch.text.tokenizer import Tokenizer  # noqa: E402
 # Qwen3's own order of its control tokens (ids 151643.. in the real vocabulary, less the vision and FIM ones).
 QWEN3_ADDED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 VOCAB = 2048  # trained BPE tokens; the 9 control tokens follow, and the embedding rounds up to a multiple of 64
-TARGET = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+# 2 layers (an induction head needs two): in five minutes twice the steps of 4 layers, and the better model of
+# the two (held-out conversions 60% / 53% against 43% / 53%, text perplexity 143 against 268; docs/performance.md).
+TARGET = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)  # fmt: skip
 DRAFT = dict(TARGET, num_hidden_layers=1)
-# Tokens per second of training on the 2-core EPYC under the lock (docs/performance.md): --minutes -> steps.
-MEASURED_TOKENS_PER_SECOND = {"target": 5_500, "draft": 17_000}
+# Tokens per second of training on the 2-core EPYC under the lock, a little under what the default run measured
+# (10,486 and 16,934-19,593, docs/performance.md) so that a run with a neighbour still fits: --minutes -> steps.
+MEASURED_TOKENS_PER_SECOND = {"target": 10_400, "draft": 14_000}
 AUTOCAST = True  # bf16 matmuls (fp32 weights and optimizer): 2.2x the tokens/s of fp32 at this size, measured
 SEQ_LEN, BATCH = 512, 4
-# Peak LR 3e-3: after 250 steps its chat loss was 1.03 against 1.10 at 1e-2 (docs/performance.md).
+# Peak LR 3e-3: after 250 steps, held-out reply loss 0.82 on add against 0.89 at 6e-3 (docs/performance-history.md).
 LR, MIN_LR_RATIO, WARMUP, WEIGHT_DECAY = 3e-3, 0.1, 50, 0.1
-DRAFT_SHARE = 0.2  # of --minutes
+# One vectorised kernel over all the parameters instead of ~10 small ones per parameter tensor: 0.31 s against
+# 1.2 s per optimizer step with another job on the second core (docs/performance-history.md).
+FUSED_ADAMW = True
+# The norms' weights (1.0 at the start) move by about the LR each step under Adam, like the matrices' entries
+# (0.02 at the start): relatively, a hundred times slower. q_norm and k_norm set how sharp attention can get.
+NORM_LR_SCALE = 10.0  # x1 -> x10: held-out add loss 0.86 -> 0.82, convert 0.87 -> 0.79 after 250 steps; x30 no better
+DRAFT_SHARE = 0.15  # of --minutes, after the fixed costs
+FIXED_SECONDS = 12  # of --minutes: imports, the tokenizer (~3 s), saving two checkpoints
 ROPE_THETA = 10_000.0
 
 
@@ -154,13 +164,16 @@ def learning_rate(step: int, steps: int) -> float:
 def optimizer_for(model: Qwen3) -> torch.optim.Optimizer:
     matrices = [p for n, p in model.named_parameters() if p.dim() == 2]
     vectors = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms: no weight decay
-    return torch.optim.AdamW([{"params": matrices, "weight_decay": WEIGHT_DECAY}, {"params": vectors, "weight_decay": 0.0}],
-                             lr=LR, betas=(0.9, 0.95), eps=1e-8)  # fmt: skip
+    groups = [{"params": matrices, "weight_decay": WEIGHT_DECAY, "lr_scale": 1.0},
+              {"params": vectors, "weight_decay": 0.0, "lr_scale": NORM_LR_SCALE}]  # fmt: skip
+    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=FUSED_ADAMW)
 
 
-def train(model: Qwen3, tokenizer: Tokenizer, steps: int, seed: int, name: str, autocast: bool = AUTOCAST) -> dict:
-    """Train for `steps` steps of BATCH x SEQ_LEN tokens; returns the log (loss per step, time, speed)."""
-    packer, optimizer = Packer(tokenizer, seed, SEQ_LEN), optimizer_for(model)
+def train(model: Qwen3, tokenizer: Tokenizer, steps: int, seed: int, name: str, autocast: bool = AUTOCAST,
+          mix: dict[str, float] | None = None) -> dict:
+    """Train for `steps` steps of BATCH x SEQ_LEN tokens on `mix` (default tiny_corpus.CHAT_MIX); returns the
+    log (loss per step, time, speed)."""
+    packer, optimizer = Packer(tokenizer, seed, SEQ_LEN, mix), optimizer_for(model)
     losses, chat_losses, text_losses, trained_tokens, data_seconds, start = [], [], [], 0, 0.0, time.perf_counter()
     bar = tqdm(range(steps), desc=f"training {name}", unit="step", dynamic_ncols=True, mininterval=1.0)
     for step in bar:
@@ -168,7 +181,7 @@ def train(model: Qwen3, tokenizer: Tokenizer, steps: int, seed: int, name: str, 
         batch = packer.batch(BATCH)
         data_seconds += time.perf_counter() - data_start
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps)
+            group["lr"] = learning_rate(step, steps) * group["lr_scale"]
         losses_now = token_losses(model, batch, autocast)
         trained = batch.targets >= 0
         loss = losses_now.sum() / trained.sum()
@@ -206,16 +219,20 @@ def save_checkpoint(out: Path, model: Qwen3, tokenizer: Tokenizer, config: dict,
     return out
 
 
-def steps_for(minutes: float, kind: str) -> int:
-    return max(1, round(minutes * 60 * MEASURED_TOKENS_PER_SECOND[kind] / (BATCH * SEQ_LEN)))
+def steps_for(minutes: float, kind: str, share: float = 1.0) -> int:
+    """Steps that `share` of a budget of `minutes` buys at this CPU's measured speed, after the fixed costs."""
+    seconds = max(0.0, minutes * 60 - FIXED_SECONDS) * share
+    return max(1, round(seconds * MEASURED_TOKENS_PER_SECOND[kind] / (BATCH * SEQ_LEN)))
 
 
-def train_checkpoint(out, shapes: dict, tokenizer: Tokenizer, steps: int, seed: int, name: str) -> Path:
+def train_checkpoint(out, shapes: dict, tokenizer: Tokenizer, steps: int, seed: int, name: str,
+                     mix: dict[str, float] | None = None) -> Path:
     config = config_for(shapes, tokenizer)
     model = new_model(config, seed)
-    log = train(model, tokenizer, steps, seed, name)
+    log = train(model, tokenizer, steps, seed, name, mix=mix)
     log = {"recipe": {"shapes": shapes, "seed": seed, "lr": LR, "warmup": WARMUP, "min_lr_ratio": MIN_LR_RATIO,
-                      "weight_decay": WEIGHT_DECAY, "optimizer": "AdamW(0.9, 0.95)",
+                      "weight_decay": WEIGHT_DECAY, "optimizer": "AdamW(0.9, 0.95)", "norm_lr_scale": NORM_LR_SCALE,
+                      "chat_mix": mix or CHAT_MIX, "text_share": TEXT_SHARE,
                       "dtype": "float32 weights, bf16 autocast" if AUTOCAST else "float32"},
            "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
            "parameters": sum(p.numel() for p in model.parameters()), **log}  # fmt: skip
@@ -236,13 +253,12 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     tokenizer = build_tokenizer(args.seed)
     print(f"tokenizer: {tokenizer.vocab_size} tokens ({time.perf_counter() - start:.1f} s)")
-    target_minutes = args.minutes * (1 if args.no_draft else 1 - DRAFT_SHARE)
-    steps = args.steps or steps_for(target_minutes, "target")
+    steps = args.steps or steps_for(args.minutes, "target", 1 if args.no_draft else 1 - DRAFT_SHARE)
     out = train_checkpoint(args.out, TARGET, tokenizer, steps, args.seed, "target")
     print(f"wrote {out}")
     if not args.no_draft:
         draft = train_checkpoint(args.draft_out or f"{args.out}-draft", DRAFT, tokenizer,
-                                 steps_for(args.minutes * DRAFT_SHARE, "draft"), args.seed, "draft")  # fmt: skip
+                                 steps_for(args.minutes, "draft", DRAFT_SHARE), args.seed, "draft")  # fmt: skip
         print(f"wrote {draft}")
     print(f"done in {time.perf_counter() - start:.0f} s")
 

@@ -90,6 +90,13 @@ def test_int4_bf16_logits_stay_within_bf16_rounding_of_the_reference(tmp_path):
     assert worst < 0.06, f"bf16 int4 logits differ from the fp32 dequantized reference by {worst:.3g} of the largest"
 
 
+def test_int4_linear_takes_a_strided_view_as_its_input():
+    """Generation asks for the last position's logits only, x[:, -1:] of (B, T, C): not contiguous."""
+    layer = Int4Linear(nn.Linear(128, 64, bias=False), torch.bfloat16, group_size=32)
+    x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    assert torch.equal(layer(x[:, -1:]), layer(x[:, -1:].contiguous())), "a strided input changed the result"
+
+
 def test_int4_groups_round_trip_within_half_a_step():
     w = torch.randn(96, 128) * torch.linspace(0.01, 3, 128)  # groups of very different ranges
     codes, scales_and_zeros = quantize_groups(w, 32)

@@ -9,12 +9,16 @@ import pytest
 import torch
 import train_tiny
 from checkpoints import assert_logits_match
-from eval_tiny import greedy_replies, parsed, tool_scores
+from eval_tiny import exercise_scores, greedy_replies, parsed, tool_scores
 from tiny_corpus import Packer, assistant_turn_document, chat_documents, exercise_messages, reply
 from tiny_tasks import CALCULATOR, FAMILIES, calculate, exercise, is_held_out, read_answer
 
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.text.tokenizer import Tokenizer
+
+# The fixture (conftest.py, seed 0, 2 threads) gets 43% / 60% on held-out conversions with thinking on / off, and
+# 9 of 10 well-formed calculator calls; an untrained or a structure-only model gets 0% (docs/performance.md).
+EASY_FAMILY, EASY_BAR = "convert", 0.3
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +31,9 @@ def tokenizer(trained_tiny):
     return Tokenizer.from_checkpoint(trained_tiny)
 
 
-def test_held_out_questions_get_reasoning_and_an_answer_line_in_the_trained_format(model, tokenizer):
-    """What the test's budget teaches: Qwen3's reply structure, not yet the arithmetic (docs/performance.md says
-    how far the default budget gets). A random model writes neither a <think> block nor an answer line."""
+def test_held_out_questions_get_reasoning_and_the_trained_answer_line(model, tokenizer):
+    """Qwen3's reply structure: a <think> block with thinking on, then the answer line. A random model writes
+    neither."""
     rng = random.Random(0)
     tasks = [exercise("convert", rng, held_out=True) for _ in range(20)]
     prompts = [tokenizer.chat_ids([{"role": "user", "content": t.question}], enable_thinking=True) for t in tasks]
@@ -37,14 +41,21 @@ def test_held_out_questions_get_reasoning_and_an_answer_line_in_the_trained_form
     reasoned = sum(bool(m["reasoning_content"]) for m in messages)
     answer_lines = sum(bool(re.fullmatch(r"\d+ \w+ = \d+ \w+", m["content"].strip())) for m in messages)
     assert reasoned >= 18, f"with thinking on, replies should show their working: {messages[:2]}"
-    # 250 steps: 9 of these 20 replies close their reasoning and give the answer line (seed 0, 2 threads); the
-    # rest run on writing digits until max_new_tokens. A random model gives 0.
-    assert answer_lines >= 5, f"replies should end in the trained answer line 'V unit = W unit': {messages[:2]}"
+    assert answer_lines >= 15, f"replies should end in the trained answer line 'V unit = W unit': {messages[:2]}"
+
+
+def test_held_out_unit_conversions_are_answered_well_above_chance(model, tokenizer):
+    """Learning, not format: the exact value of conversions never trained on (a 1-3 digit value copied from the
+    question, times 10, 100 or 1,000). Guessing a value gets ~0.1%; an untrained model, or the structure-only
+    model of the first recipe (docs/performance-history.md), gets 0%."""
+    scores = {thinking: exercise_scores(model, tokenizer, EASY_FAMILY, thinking, n=30, seed=0)["accuracy"]
+              for thinking in (True, False)}  # fmt: skip
+    assert min(scores.values()) >= EASY_BAR, f"held-out {EASY_FAMILY} accuracy, thinking on / off: {scores}"
 
 
 def test_calculator_questions_get_a_tool_call_the_parser_accepts(model, tokenizer):
     scores = tool_scores(model, tokenizer, n=10, seed=0)
-    assert scores["well_formed"] >= 0.5, f"held-out calculator questions: {scores}"
+    assert scores["well_formed"] >= 0.7, f"held-out calculator questions: {scores}"
 
 
 def test_transformers_loads_the_trained_checkpoint_and_gives_our_logits(trained_tiny, model, tokenizer):

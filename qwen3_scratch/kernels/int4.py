@@ -111,7 +111,8 @@ class Int4Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # (B*T, K)
+        # (B*T, K); the kernels read rows densely, and a view such as forward's last_only slice x[:, -1:] is not
+        rows = x.reshape(-1, self.in_features).contiguous()
         if x.is_cuda:
             y = torch._weight_int4pack_mm(rows, self.weight, self.group_size, self.scales_and_zeros)
         else:
