@@ -67,9 +67,9 @@ def demos(port: int = PORT) -> list[Demo]:
         Demo(
             "chat-trained",
             "bash",
-            f"printf 'What is 494 + 308?\\n' | python -m qwen3_scratch.chat --model {TRAINED} --temperature 0 \\\n"
+            f"printf 'Convert 9 L to mL.\\n' | python -m qwen3_scratch.chat --model {TRAINED} --temperature 0 \\\n"
             "    --max-new-tokens 200",
-            expected=[("add", 802)],
+            expected=[("convert", 9000)],
             answers=lambda out: out.splitlines()[-1:],
         ),
         Demo(
@@ -118,10 +118,10 @@ print(pipe.conversation.last_stats.line())                 # reused_tokens: what
             "bash",
             f'''\
 curl -s http://127.0.0.1:{port}/v1/chat/completions -H "Content-Type: application/json" -d '{{"model": "{TRAINED}",
-  "messages": [{{"role": "user", "content": "What is 836 + 379?"}}], "temperature": 0, "max_tokens": 200}}' | python -m json.tool''',
+  "messages": [{{"role": "user", "content": "How many g are in 37 kg?"}}], "temperature": 0, "max_tokens": 200}}' | python -m json.tool''',
             server=True,
             runs=2,
-            expected=[("add", 1215)],
+            expected=[("convert", 37000)],
             answers=lambda out: [json.loads(out)["choices"][0]["message"]["content"]],
         ),
         Demo(
