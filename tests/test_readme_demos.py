@@ -41,12 +41,14 @@ def test_fill_rewrites_only_the_regions_it_is_given():
 
 def test_every_question_the_demos_ask_is_held_out_from_training():
     """README says so: the demos show answers to questions the model never trained on."""
-    asked = [q for d in readme_demos.demos() for q in re.findall(r"What is (\d+) ([-+*]) (\d+)\?", d.code)]
-    assert len(asked) == 8, asked  # every question of the trained demos
-    for a, op, b in asked:
-        a, b = int(a), int(b)
-        key = {"+": f"add {min(a, b)} {max(a, b)}", "-": f"subtract {a} {b}", "*": f"tool {a} * {b}"}[op]
-        assert is_held_out(key), f"{a} {op} {b} is in the training split: pick a held-out question"
+    code = "\n".join(d.code for d in readme_demos.demos())
+    keys = [{"+": f"add {min(int(a), int(b))} {max(int(a), int(b))}", "-": f"subtract {a} {b}", "*": f"tool {a} * {b}"}[op]
+            for a, op, b in re.findall(r"What is (\d+) ([-+*]) (\d+)\?", code)]  # fmt: skip
+    keys += [f"convert {v} {big} {small}" for v, big, small in re.findall(r"Convert (\d+) (\w+) to (\w+)\.", code)]
+    keys += [f"convert {v} {big} {small}" for small, v, big in re.findall(r"How many (\w+) are in (\d+) (\w+)\?", code)]
+    assert len(keys) == 8, keys  # every question of the trained demos
+    for key in keys:
+        assert is_held_out(key), f"{key!r} is in the training split: pick a held-out question"
 
 
 def test_calculator_json_is_the_schema_the_model_was_trained_with():
