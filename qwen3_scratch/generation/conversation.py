@@ -184,7 +184,8 @@ class Conversation:
         if params.seed is not None:
             generator = torch.Generator(self.model.device).manual_seed(params.seed)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        text = TextState(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)  # ends the turn at a stop string
+        # ends the turn at a stop string
+        text = TextState(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         shown = AnswerStop(params.stop, params.min_tokens)
         parser = StreamParser(self.tokenizer, in_reasoning=prompt_opens_thinking(prompt, self.tokenizer))
         if not self.reuse:

@@ -7,6 +7,7 @@ holder and logprobs. `merge` runs several engine requests (one per prompt) as on
 
 import asyncio
 
+from qwen3_scratch.sampling.params import SamplingParams
 from qwen3_scratch.text.chat_parser import StreamParser, prompt_opens_thinking
 from qwen3_scratch.text.stop import AnswerStop
 from qwen3_scratch.text.tokenizer import Tokenizer
@@ -16,7 +17,7 @@ from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 
 
 class ChatChoice:
-    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], params, logprobs: bool):
+    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, logprobs: bool):
         self.index, self.tokenizer, self.logprobs = index, tokenizer, logprobs
         self.parser = StreamParser(tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, tokenizer))
         self.shown = AnswerStop(params.stop, params.min_tokens)  # the answer as its stop strings cut it

@@ -87,7 +87,7 @@ class AnswerStop:
         self.generated += 1
         check = self.generated > self.min_tokens
         shown = self._pieces(parser.push(token_id), check)
-        if not check:  # newlines the parser holds back came from these first tokens too
+        if not check:  # trailing newlines the parser holds back (until text follows) came from these tokens too
             self.answer.checked_from += len(parser.content.held)
         return shown
 
