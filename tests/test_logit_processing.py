@@ -1,6 +1,8 @@
 """Logit processing (sampling/processors.py) against reference computations and transformers' own processors,
 and the same rules on every path: the simple loop, Pipeline and the engine."""
 
+import dataclasses
+
 import pytest
 import torch
 import transformers.generation.logits_process as hf
@@ -8,6 +10,7 @@ from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch import LLM, GenerationError, Pipeline, SamplingParams, Tokenizer, load_model
 from qwen3_scratch.sampling.processors import LogitsProcessing, process_logits, prompt_mask
+from qwen3_scratch.text.stop import AnswerStop, TextState
 
 V = 50
 
@@ -118,6 +121,61 @@ def test_chat_conversation_applies_processing_like_the_engine(pipe, llm):
     params = SamplingParams(**PROCESSED)
     reply = pipe.chat(messages, params, thinking=False)
     assert reply == llm.chat(messages, params, enable_thinking=False)[0].outputs[0].message
+
+
+# -- min_tokens holds back stop strings too (vLLM v1: none may end in the first min_tokens tokens' text) --
+
+LINES = "One\ntwo\nthree\nfour"  # the tiny tokenizer: one token per "\n", the 4th, 8th and 13th
+
+
+def stopped_text(tokenizer, stop, min_tokens):
+    """(text, tokens pushed) of LINES through TextState, ending at the first stop string that counts."""
+    state = TextState(tokenizer, [stop], min_tokens=min_tokens)
+    ids = tokenizer.encode(LINES)
+    for n, token in enumerate(ids, 1):
+        if state.push(token):
+            return state.take(finished=True, stopped=True), n
+    return state.take(finished=True, stopped=False), len(ids)
+
+
+@pytest.mark.parametrize(("stop", "min_tokens", "text", "tokens"), [
+    ("\n", 0, "One", 4),  # the first newline stops it
+    ("\n", 3, "One", 4),  # the 4th token is past min_tokens
+    ("\n", 4, "One\ntwo", 8),  # the newline in the first 4 tokens is ignored; the next one stops it
+    ("e\nt", 4, "On", 5),  # starts in the first 4 tokens, ends in the 5th: it counts, cut before its start
+    ("e\nt", 5, LINES, 16),  # wholly in the first 5 tokens: ignored (and "e\nf" is no stop string)
+])  # fmt: skip
+def test_min_tokens_ignores_stop_strings_ending_in_the_first_tokens_text(pipe, stop, min_tokens, text, tokens):
+    assert stopped_text(pipe.tokenizer, stop, min_tokens) == (text, tokens)
+    # the chat answer's cut follows the same rule, though the parser holds a trailing newline back a token
+    reply = AnswerStop.reply(pipe.tokenizer, pipe.tokenizer.encode(LINES)[:tokens], False, [stop], min_tokens)
+    assert reply["content"] == text
+
+
+HELLO = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["loHel"])  # greedy: "HelloHello..."
+
+
+def test_every_path_holds_a_stop_string_back_until_min_tokens(pipe, llm):
+    """The tiny model repeats "Hello": "loHel" ends in the 2nd token; with min_tokens=3 the first one that ends
+    after the 3rd token starts inside them, so the text is cut there, in every path."""
+    held = dataclasses.replace(HELLO, min_tokens=3)
+    ids = pipe.tokenizer.encode("Hello")
+    for params, text, tokens in ((HELLO, "Hel", 2), (held, "HelloHelloHel", 4)):
+        out = llm.generate([ids], params)[0].outputs[0]
+        assert (out.text, len(out.token_ids), out.finish_reason) == (text, tokens, "stop"), params.min_tokens
+        assert pipe.generate(["Hello"], params, chat=False) == [text]
+        assert "".join(pipe.stream("Hello", params, chat=False)) == text and len(pipe.last_ids) == tokens
+
+
+def test_chat_paths_hold_a_stop_string_back_until_min_tokens(pipe, llm):
+    messages = [{"role": "user", "content": "Say hello."}]
+    hello = pipe.tokenizer.encode("Hello")[0]
+    forced = dataclasses.replace(HELLO, logit_bias={hello: 100.0})  # the answer: "HelloHello..."
+    for params, text, tokens in ((forced, "Hel", 2), (dataclasses.replace(forced, min_tokens=3), "HelloHelloHel", 4)):
+        out = llm.chat(messages, params, enable_thinking=False)[0].outputs[0]
+        assert (out.message["content"], len(out.token_ids)) == (text, tokens), params.min_tokens
+        assert pipe.chat(messages, params, thinking=False) == out.message
+        assert len(pipe.conversation.last_ids) == tokens
 
 
 def test_pipeline_refuses_what_only_the_engine_implements(pipe):

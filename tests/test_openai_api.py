@@ -248,6 +248,20 @@ def test_min_tokens_holds_back_eos(llm, client):
     assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 5
 
 
+def test_min_tokens_holds_back_stop_strings_in_completions_whole_and_streamed(llm, client):
+    """Greedy text repeats "Hello": "loHel" ends in the 2nd token; min_tokens=3 lets the first one ending after
+    the 3rd token stop it (cut before its start, inside those tokens' text), as LLM.generate does."""
+    for min_tokens, text in ((0, "Hel"), (3, "HelloHelloHel")):
+        request = dict(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stop=["loHel"],
+                       extra_body={"min_tokens": min_tokens, "ignore_eos": True})  # fmt: skip
+        reply = client.completions.create(**request)
+        stream = "".join(c.choices[0].text for c in client.completions.create(**request, stream=True) if c.choices)
+        params = _params(max_tokens=12, temperature=0, stop=["loHel"], min_tokens=min_tokens, ignore_eos=True)
+        reference = llm.generate("Hello", params)[0].outputs[0]
+        assert reply.choices[0].text == stream == reference.text == text, min_tokens
+        assert reply.usage.completion_tokens == len(reference.token_ids) and reply.choices[0].finish_reason == "stop"
+
+
 # -- structured output on random weights -----------------------------------------------------------
 
 

@@ -164,6 +164,21 @@ def test_a_stop_string_ends_the_chat_answer_before_it_whole_and_streamed(scripte
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "One two "
 
 
+def test_min_tokens_holds_back_a_stop_string_in_the_chat_answer_whole_and_streamed(scripted, client):
+    """The first newline is the 4th token: with min_tokens=4 it is ignored, though the parser holds it back
+    until the 5th token comes, and the answer ends before the next one (the 8th token)."""
+    messages = [{"role": "user", "content": "Lines."}]
+    script(scripted, messages, "One\ntwo\nthree\nfour")
+    for min_tokens, answer, tokens in ((0, "One", 4), (4, "One\ntwo", 8)):
+        request = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=["\n"],
+                       extra_body={"min_tokens": min_tokens})  # fmt: skip
+        reply = client.chat.completions.create(**request)
+        assert (reply.choices[0].message.content, reply.usage.completion_tokens) == (answer, tokens), min_tokens
+        assert reply.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(**request, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
 

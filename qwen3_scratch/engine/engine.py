@@ -108,7 +108,8 @@ class LLMEngine:
             state.matcher = self.grammars.matcher(grammar) if grammar is not None else None
             seq.sampling = state
             if self.tokenizer is not None:
-                self.texts[(request_id, index)] = TextState(self.tokenizer, params.stop, params.skip_special_tokens)
+                self.texts[(request_id, index)] = TextState(self.tokenizer, params.stop, params.skip_special_tokens,
+                                                            params.min_tokens)  # fmt: skip
             choices.append(seq)
         self.sequences[request_id] = choices
         for seq in choices:

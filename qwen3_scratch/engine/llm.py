@@ -24,7 +24,7 @@ from qwen3_scratch.model.kv_cache import kv_cache_bytes
 from qwen3_scratch.parallel.model import load_parallel_model
 from qwen3_scratch.sampling.defaults import load_generation_config, stop_token_ids
 from qwen3_scratch.sampling.params import SamplingParams
-from qwen3_scratch.text.chat_parser import parse_assistant, prompt_opens_thinking
+from qwen3_scratch.text.chat_parser import prompt_opens_thinking
 from qwen3_scratch.text.stop import AnswerStop
 from qwen3_scratch.text.tokenizer import Tokenizer
 
@@ -174,9 +174,9 @@ class LLM:
         for out, p in zip(outputs, params):
             thinking = prompt_opens_thinking(out.prompt_token_ids, self.tokenizer)
             for completion in out.outputs:
-                completion.message = parse_assistant(completion.token_ids, self.tokenizer, in_reasoning=thinking)
                 # the answer ends before a stop string
-                completion.message["content"] = AnswerStop.cut(completion.message["content"], p.stop if p else [])
+                completion.message = AnswerStop.reply(self.tokenizer, completion.token_ids, thinking,
+                                                      p.stop if p else [], p.min_tokens if p else 0)  # fmt: skip
         return outputs
 
     def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:

@@ -184,8 +184,9 @@ class Conversation:
         if params.seed is not None:
             generator = torch.Generator(self.model.device).manual_seed(params.seed)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        text = TextState(self.tokenizer, params.stop, params.skip_special_tokens)  # ends the turn at a stop string
-        shown = AnswerStop(params.stop)
+        # ends the turn at a stop string
+        text = TextState(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
+        shown = AnswerStop(params.stop, params.min_tokens)
         parser = StreamParser(self.tokenizer, in_reasoning=prompt_opens_thinking(prompt, self.tokenizer))
         if not self.reuse:
             self.cache.reset()
@@ -208,16 +209,15 @@ class Conversation:
                 ttft = ttft if ttft is not None else time.perf_counter() - start
                 self.last_ids.append(token)
                 stopped = text.push(token)
-                yield from shown.pieces(parser.push(token))
+                yield from shown.push(parser, token)
                 if stopped or token in stop_ids:
                     break
             finished = True
-            yield from shown.pieces(parser.finish(), finished=True)
+            yield from shown.finish(parser)
         finally:
             if not finished:
-                parser.finish()  # interrupted: the tokens so far still make a message
-            self.last_message = parser.message()
-            self.last_message["content"] = AnswerStop.cut(self.last_message["content"], params.stop)
+                shown.finish(parser)  # interrupted: the tokens so far still make a message
+            self.last_message = {**parser.message(), "content": shown.text}  # the answer cut as it was shown
             elapsed = time.perf_counter() - start
             speculation = self.speculator.stats if self.speculator is not None else None
             self.last_stats = TurnStats(len(prompt), reused, len(self.last_ids), parser.reasoning_tokens,

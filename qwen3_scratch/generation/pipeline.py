@@ -238,7 +238,7 @@ class Pipeline:
         before the first of params.stop."""
         params = self.resolve(params)
         ids = self.prompt_ids(prompt, **template)
-        text = TextState(self.tokenizer, params.stop, params.skip_special_tokens)
+        text = TextState(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         self.last_prompt_ids, self.last_ids = ids, []  # for counting reasoning tokens afterwards
         stopped = False
         with closing(self.stream_ids([ids], params)) as steps:
@@ -276,7 +276,7 @@ class Pipeline:
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             batch = [self.prompt_ids(p, **template, what=f"prompt {start + i + 1}") for i, p in enumerate(chunk)]
-            texts = [TextState(self.tokenizer, params.stop, params.skip_special_tokens) for _ in chunk]
+            texts = [TextState(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens) for _ in chunk]
             stopped = [False] * len(chunk)
             with closing(self.stream_ids(batch, params)) as steps:
                 for row_tokens in steps:

@@ -150,7 +150,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
     repetition_penalty: float = 1.0  # vLLM's/CTRL's: tokens of the prompt or output divided (or times) by it
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> added to its logit, -100 to 100
-    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens were generated
+    min_tokens: int = 0  # EOS and stop_token_ids banned, stop strings ignored, until this many tokens were generated
     bad_words: list[str] = field(default_factory=list)  # never generated (their token sequences are banned)
     logprobs: int | None = None  # logprob of each sampled token and of its top-k alternatives (0: itself only)
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)

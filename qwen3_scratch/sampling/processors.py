@@ -8,7 +8,8 @@ grammar's mask (structured.py, applied by the caller first), then
 
 and then temperature and the filters (logits.py). Each step is the published rule:
   - bad_words: a word's last token is banned where the output already ends with the word's other tokens;
-  - min_tokens: the stop ids (EOS, stop_token_ids) are banned until that many tokens were generated;
+  - min_tokens: the stop ids (EOS, stop_token_ids) are banned until that many tokens were generated
+    (stop strings are held back by text/stop.py);
   - logit_bias: OpenAI's, added to the logit of each listed id;
   - repetition_penalty (CTRL, transformers' RepetitionPenaltyLogitsProcessor, vLLM): every token seen in
     the prompt or the output has its logit divided by the penalty if positive, multiplied if negative;

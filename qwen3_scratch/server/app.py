@@ -200,7 +200,7 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     # max_tokens None: up to the context, as vLLM does for chat
     params = body.params(s.defaults, max_tokens, logprobs=body.logprobs_k(), structured=structured)
     s.engine.check(prompt_ids, params)
-    choices = [ChatChoice(i, s.tokenizer, prompt_ids, params.stop, body.logprobs) for i in range(params.n)]
+    choices = [ChatChoice(i, s.tokenizer, prompt_ids, params, body.logprobs) for i in range(params.n)]
     request_id = api.new_id("chatcmpl")
     steps = s.engine.generate(prompt_ids, params, request_id)
     if body.stream:

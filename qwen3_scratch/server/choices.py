@@ -7,6 +7,7 @@ holder and logprobs. `merge` runs several engine requests (one per prompt) as on
 
 import asyncio
 
+from qwen3_scratch.sampling.params import SamplingParams
 from qwen3_scratch.text.chat_parser import StreamParser, prompt_opens_thinking
 from qwen3_scratch.text.stop import AnswerStop
 from qwen3_scratch.text.tokenizer import Tokenizer
@@ -16,21 +17,21 @@ from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 
 
 class ChatChoice:
-    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], logprobs: bool):
+    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, logprobs: bool):
         self.index, self.tokenizer, self.logprobs = index, tokenizer, logprobs
         self.parser = StreamParser(tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, tokenizer))
-        self.shown, self.stop = AnswerStop(stop), stop
+        self.shown = AnswerStop(params.stop, params.min_tokens)  # the answer as its stop strings cut it
         self.calls, self.out, self.scored = 0, None, []
 
     def push(self, out) -> list[dict]:
         """Take one step's output; returns the stream deltas it makes final (with this step's logprobs on the first)."""
         self.out = out
-        deltas = [d for token in out.new_token_ids for d in self.parser.push(token)]
-        if out.finished:
-            deltas += self.parser.finish()
-        bodies = []
         # the answer is held back while a stop string may be forming
-        for delta in self.shown.pieces(deltas, finished=out.finished):
+        deltas = [d for token in out.new_token_ids for d in self.shown.push(self.parser, token)]
+        if out.finished:
+            deltas += self.shown.finish(self.parser)
+        bodies = []
+        for delta in deltas:
             bodies.append(api.delta_body(delta, self.calls))
             self.calls += delta.kind == "tool_call"
         self.scored += out.logprobs or []
@@ -46,8 +47,7 @@ class ChatChoice:
         return api.chat_finish_reason(self.out.finish_reason, self.calls or self.parser.message().get("tool_calls"))
 
     def whole(self) -> dict:
-        parsed = self.parser.message()
-        parsed["content"] = AnswerStop.cut(parsed["content"], self.stop)  # the answer ends before a stop string
+        parsed = {**self.parser.message(), "content": self.shown.text}  # the answer ends before a stop string
         logprobs = chat_logprobs(self.tokenizer, self.scored) if self.logprobs else None
         return api.chat_choice(self.index, api.assistant_message(parsed), self.finish_reason, logprobs)
 
