@@ -4,12 +4,10 @@ It runs the protocol the `qwen3-serve` command runs (server/process.py's header 
 whose runner can be told to fail chosen requests: the test hook for "a fault inside the engine".
 """
 
-import socket
-import threading
 import time
 from contextlib import contextmanager
 
-import uvicorn
+from openai_server import uvicorn_thread
 
 from qwen3_scratch.engine.llm import LLM
 from qwen3_scratch.server.app import build_app
@@ -37,12 +35,6 @@ class FaultyRunner:
         return self.runner.run(batch)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def live_server(checkpoint, num_blocks=64, block_size=16, read_timeout=30.0, max_body_bytes=2**20,
                 request_timeout=None):  # fmt: skip
@@ -52,20 +44,10 @@ def live_server(checkpoint, num_blocks=64, block_size=16, read_timeout=30.0, max
     engine = AsyncEngine(llm.engine, request_timeout=request_timeout).start()
     app = build_app(engine, llm.tokenizer, MODEL, llm.get_default_sampling_params(), api_key=API_KEY,
                     max_body_bytes=max_body_bytes, body_timeout=read_timeout)  # fmt: skip
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            http=header_timeout_protocol(read_timeout))  # fmt: skip
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the server thread died while starting"
-        time.sleep(0.02)
     try:
-        yield llm, engine, f"http://127.0.0.1:{port}"
+        with uvicorn_thread(app, http=header_timeout_protocol(read_timeout)) as url:
+            yield llm, engine, url
     finally:
-        server.should_exit = True
-        thread.join()
         engine.stop()
 
 

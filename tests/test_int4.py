@@ -3,20 +3,17 @@ dequantized, to the suite's fp32 bar, in a prompt and in decode steps; and they 
 serve through every entry point (CLI, chat, LLM, the server). Speed is in scripts/benchmark.py."""
 
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import openai
 import pytest
 import torch
-import uvicorn
 from checkpoints import assert_logits_match, build_checkpoint
 from cli_helpers import assert_one_line_error, cli
 from make_tiny_checkpoint import make_tiny_checkpoint
+from openai_server import uvicorn_thread
 from torch import nn
 
 from qwen3_scratch.checkpoint.weights import load_model
@@ -145,20 +142,10 @@ def test_llm_and_server_with_int4_answer_as_the_simple_loop(tiny):
     assert offline.token_ids == alone, "LLM.generate with int4 weights differs from the simple loop"
     engine = AsyncEngine(llm.engine).start()
     app = build_app(engine, llm.tokenizer, "tiny", llm.get_default_sampling_params())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        while not server.started:
-            assert thread.is_alive(), "the server thread died while starting"
-            time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        with uvicorn_thread(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
     finally:
-        server.should_exit = True
-        thread.join()
         engine.stop()
     assert reply.choices[0].text == expected, "the int4 server's completion differs from the simple loop"

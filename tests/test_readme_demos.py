@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import readme_demos
-from live_server import free_port
+from openai_server import free_port
 from tiny_tasks import CALCULATOR, is_held_out
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,17 +7,15 @@ are checked with a scripted model that forces known tokens out of the real engin
 
 import asyncio
 import json
-import socket
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from make_tiny_checkpoint import make_tiny_checkpoint
+from openai_server import uvicorn_thread
 
 from qwen3_scratch.engine.llm import LLM
 from qwen3_scratch.generation.loops import generate_tokens
@@ -62,20 +60,10 @@ def server(tmp_path_factory):
     llm.engine.runner.model = ScriptedModel(llm.model)
     engine = AsyncEngine(llm.engine).start()
     app = build_app(engine, llm.tokenizer, MODEL, llm.get_default_sampling_params(), api_key=API_KEY)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        assert thread.is_alive(), "the server thread died while starting"
-        time.sleep(0.05)
     try:
-        yield llm, f"http://127.0.0.1:{port}"
+        with uvicorn_thread(app) as url:
+            yield llm, url
     finally:
-        uv.should_exit = True
-        thread.join()
         engine.stop()
         torch.set_num_threads(threads)
 
