@@ -13,7 +13,9 @@ trained on it) still answers without reasoning: enable_thinking=false writes the
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from qwen3_scratch.errors import InputError, Qwen3Error
@@ -153,8 +155,11 @@ class ChatSession:
         printer = ReplyPrinter(self.out, self.hide_thinking)
         stream = self.pipe.chat_stream(self.conversation(), self.params, self.tools, self.thinking)
         try:
-            for delta in stream:
-                printer.show(delta)
+            with CtrlC() as ctrl_c:
+                for delta in stream:
+                    printer.show(delta)
+                    if ctrl_c.pressed:
+                        raise KeyboardInterrupt
         except KeyboardInterrupt:
             stream.close()  # keeps the tokens so far as the reply, and the cache consistent
             printer.end()
@@ -213,6 +218,32 @@ class ChatSession:
 
     def do_exit(self, _):
         return False
+
+
+class CtrlC:
+    """Ctrl-C while an answer streams, noted and acted on between two pieces of the answer.
+
+    A KeyboardInterrupt raised wherever the main thread happens to be could land inside the stream's
+    bookkeeping of a token (counted but not yet parsed), and the reply kept would then not be the tokens
+    generated. Noted here, the answer stops at a piece boundary, where the stream's state is whole. A
+    second Ctrl-C before the next piece (a long prefill) interrupts at once, as usual."""
+
+    def __enter__(self):
+        self.pressed, self.previous = False, None
+        # only the main thread may set handlers; an ignored SIGINT (a background job) stays ignored
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self.previous = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def read_lines(interactive: bool):
