@@ -67,9 +67,9 @@ def demos(port: int = PORT) -> list[Demo]:
         Demo(
             "chat-trained",
             "bash",
-            f"printf 'Convert 9 L to mL.\\n' | python -m qwen3_scratch.chat --model {TRAINED} --temperature 0 \\\n"
+            f"printf 'What is 386 + 48?\\n' | python -m qwen3_scratch.chat --model {TRAINED} --temperature 0 \\\n"
             "    --max-new-tokens 200",
-            expected=[("convert", 9000)],
+            expected=[("add", 434)],
             answers=lambda out: out.splitlines()[-1:],
         ),
         Demo(

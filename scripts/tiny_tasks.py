@@ -46,46 +46,55 @@ def number(rng: random.Random, digits: tuple[int, int]) -> int:
     return rng.randint(10 ** (n - 1) if n > 1 else 0, 10**n - 1)
 
 
-def columns(a: int, b: int) -> list[tuple[int, int, str]]:
-    """(digit of a, digit of b, place name) from the ones up, b padded with zeros."""
-    places = ["ones", "tens", "hundreds", "thousands", "ten-thousands"]
+PLACES = ["ones", "tens", "hundreds", "thousands", "ten-thousands"]
+
+
+def digits(a: int, b: int) -> list[tuple[int, int, str]]:
+    """(digit of a, digit of b, place name) from the ones up, the shorter number padded with zeros."""
     width = max(len(str(a)), len(str(b)))
-    return [(a // 10**i % 10, b // 10**i % 10, places[i]) for i in range(width)]
+    return [(a // 10**i % 10, b // 10**i % 10, PLACES[i]) for i in range(width)]
 
 
 def make_add(rng: random.Random) -> Exercise:
+    """Column addition read off the question by place (the digit just before the + is the ones of the first
+    number), with the result so far written after each column: every step looks only a short, fixed way
+    back, which a two-layer model learns far sooner than copying a whole number (docs/performance-history.md)."""
     a, b = number(rng, (2, 3)), number(rng, (1, 3))
     if rng.random() < 0.5:
         a, b = b, a
-    lines, carry = [f"{a} + {b}, column by column from the right:"], 0
-    for x, y, place in columns(a, b):
+    lines, carry, so_far = [], 0, ""
+    for x, y, place in digits(a, b):
         total = x + y + carry
         plus_carry = " + 1" if carry else ""
         carry, digit = divmod(total, 10)
-        lines.append(f"{place}: {x} + {y}{plus_carry} = {total}, write {digit}" + (", carry 1" if carry else ""))
+        so_far = f"{digit}{so_far}"
+        lines.append(f"{place}: {x} + {y}{plus_carry} = {total} → {so_far}" + (", carry 1" if carry else ""))
     if carry:
-        lines.append("the last carry 1 is written in front")
-    lines.append(f"So {a} + {b} = {a + b}.")
+        lines.append(f"the carry 1 goes in front → 1{so_far}")
+    lines.append(f"So the sum is {a + b}.")
     question = rng.choice(["What is {a} + {b}?", "Compute {a} + {b}.", "{a} + {b} = ?", "Add {a} and {b}.",
                            "What is the sum of {a} and {b}?"]).format(a=a, b=b)  # fmt: skip
     return Exercise("add", question, "\n".join(lines), f"{a} + {b} = {a + b}", a + b, f"add {min(a, b)} {max(a, b)}")
 
 
 def make_subtract(rng: random.Random) -> Exercise:
+    """Column subtraction the same way, borrowing from the next column."""
     a, b = sorted((number(rng, (2, 3)), number(rng, (1, 3))), reverse=True)
-    lines, borrow = [f"{a} - {b}, column by column from the right:"], 0
-    for x, y, place in columns(a, b):
+    lines, borrow, so_far = [], 0, ""
+    for x, y, place in digits(a, b):
         minus_borrow = " - 1" if borrow else ""
         top = x - borrow
         if top < y:
-            lines.append(f"{place}: {x}{minus_borrow} - {y} is below zero, borrow 10: "
-                         f"{x + 10}{minus_borrow} - {y} = {top + 10 - y}, write {top + 10 - y}")  # fmt: skip
+            digit, step = top + 10 - y, f"{x}{minus_borrow} - {y} is below zero, borrow 10: {x + 10}{minus_borrow} - {y}"
             borrow = 1
         else:
-            lines.append(f"{place}: {x}{minus_borrow} - {y} = {top - y}, write {top - y}")
-            borrow = 0
-    lines.append(f"So {a} - {b} = {a - b}.")
-    question = rng.choice(["What is {a} - {b}?", "Compute {a} - {b}.", "{a} - {b} = ?", "Subtract {b} from {a}.",
+            digit, step, borrow = top - y, f"{x}{minus_borrow} - {y}", 0
+        so_far = f"{digit}{so_far}"
+        lines.append(f"{place}: {step} = {digit} → {so_far}" + (", borrow 1" if borrow else ""))
+    if len(so_far) > 1 and so_far.startswith("0"):
+        lines.append(f"without the leading zeros → {a - b}")
+    lines.append(f"So the difference is {a - b}.")
+    question = rng.choice(["What is {a} - {b}?", "Compute {a} - {b}.", "{a} - {b} = ?", "What is {a} take away {b}?",
                            "What is {a} minus {b}?"]).format(a=a, b=b)  # fmt: skip
     return Exercise("subtract", question, "\n".join(lines), f"{a} - {b} = {a - b}", a - b, f"subtract {a} {b}")
 
@@ -199,7 +208,7 @@ def make_tool_exercise(rng: random.Random) -> Exercise:
     result = calculate(expression)
     question = rng.choice(["What is {e}?", "Compute {e}.", "Use the calculator: what is {e}?", "{e} = ?",
                            "Please work out {e}."]).format(e=expression)  # fmt: skip
-    working = f"{expression} has long numbers, so I use the calculator tool with the expression {expression}."
+    working = "The numbers are too long to work by hand, so I call the calculator."
     return Exercise("tool", question, working, f"{expression} = {result}", result, f"tool {expression}")
 
 

@@ -57,12 +57,13 @@ VOCAB = 2048  # trained BPE tokens; the 9 control tokens follow, and the embeddi
 TARGET = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)  # fmt: skip
 DRAFT = dict(TARGET, num_hidden_layers=1)
-# Tokens per second of training on the 2-core EPYC under the lock, a little under what the default run measured
-# (10,486 and 16,934-19,593, docs/performance.md) so that a run with a neighbour still fits: --minutes -> steps.
-MEASURED_TOKENS_PER_SECOND = {"target": 10_400, "draft": 14_000}
+# Tokens per second of training on the 2-core EPYC under the lock, a little under what the probes and the default
+# run measured (Muon's orthogonalisation costs ~20% of AdamW's speed, docs/performance.md) so that a run with a
+# neighbour still fits: --minutes -> steps.
+MEASURED_TOKENS_PER_SECOND = {"target": 8_600, "draft": 12_500}
 AUTOCAST = True  # bf16 matmuls (fp32 weights and optimizer): 2.2x the tokens/s of fp32 at this size, measured
 SEQ_LEN, BATCH = 512, 4
-# Peak LR 3e-3: after 250 steps, held-out reply loss 0.82 on add against 0.89 at 6e-3 (docs/performance-history.md).
+# Peak LR 3e-3, for Muon too (its updates scaled to AdamW's size): Muon at 6e-3 got held-out add 40% against 83%.
 LR, MIN_LR_RATIO, WARMUP, WEIGHT_DECAY = 3e-3, 0.1, 50, 0.1
 # One vectorised kernel over all the parameters instead of ~10 small ones per parameter tensor: 0.31 s against
 # 1.2 s per optimizer step with another job on the second core (docs/performance-history.md).
@@ -161,34 +162,43 @@ def learning_rate(step: int, steps: int) -> float:
     return LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def optimizer_for(model: Qwen3) -> torch.optim.Optimizer:
-    matrices = [p for n, p in model.named_parameters() if p.dim() == 2]
+def optimizers_for(model: Qwen3) -> list[torch.optim.Optimizer]:
+    """Muon for the layers' matrices (their updates orthogonalised, every direction moving at once), AdamW for
+    the embedding (the tied head) and the norms, as Muon's authors use it. Each group's `lr_scale` times the
+    schedule's LR is its learning rate."""
+    layers = [p for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n]
+    embedding = [p for n, p in model.named_parameters() if p.dim() == 2 and ".layers." not in n]
     vectors = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms: no weight decay
-    groups = [{"params": matrices, "weight_decay": WEIGHT_DECAY, "lr_scale": 1.0},
+    # match_rms_adamw scales each update to the size AdamW's would have, so one LR serves both.
+    muon = torch.optim.Muon([{"params": layers, "lr_scale": 1.0}], lr=LR, weight_decay=WEIGHT_DECAY,
+                            adjust_lr_fn="match_rms_adamw")  # fmt: skip
+    groups = [{"params": embedding, "weight_decay": WEIGHT_DECAY, "lr_scale": 1.0},
               {"params": vectors, "weight_decay": 0.0, "lr_scale": NORM_LR_SCALE}]  # fmt: skip
-    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=FUSED_ADAMW)
+    return [muon, torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=FUSED_ADAMW)]
 
 
 def train(model: Qwen3, tokenizer: Tokenizer, steps: int, seed: int, name: str, autocast: bool = AUTOCAST,
           mix: dict[str, float] | None = None) -> dict:
     """Train for `steps` steps of BATCH x SEQ_LEN tokens on `mix` (default tiny_corpus.CHAT_MIX); returns the
     log (loss per step, time, speed)."""
-    packer, optimizer = Packer(tokenizer, seed, SEQ_LEN, mix), optimizer_for(model)
+    packer, optimizers = Packer(tokenizer, seed, SEQ_LEN, mix), optimizers_for(model)
     losses, chat_losses, text_losses, trained_tokens, data_seconds, start = [], [], [], 0, 0.0, time.perf_counter()
     bar = tqdm(range(steps), desc=f"training {name}", unit="step", dynamic_ncols=True, mininterval=1.0)
     for step in bar:
         data_start = time.perf_counter()
         batch = packer.batch(BATCH)
         data_seconds += time.perf_counter() - data_start
-        for group in optimizer.param_groups:
+        for group in (group for optimizer in optimizers for group in optimizer.param_groups):
             group["lr"] = learning_rate(step, steps) * group["lr_scale"]
         losses_now = token_losses(model, batch, autocast)
         trained = batch.targets >= 0
         loss = losses_now.sum() / trained.sum()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
         losses.append(round(loss.item(), 4))
         chat_losses.append(mean_where(losses_now.detach(), trained & ~batch.is_text))
         text_losses.append(mean_where(losses_now.detach(), trained & batch.is_text))
@@ -231,7 +241,7 @@ def train_checkpoint(out, shapes: dict, tokenizer: Tokenizer, steps: int, seed: 
     model = new_model(config, seed)
     log = train(model, tokenizer, steps, seed, name, mix=mix)
     log = {"recipe": {"shapes": shapes, "seed": seed, "lr": LR, "warmup": WARMUP, "min_lr_ratio": MIN_LR_RATIO,
-                      "weight_decay": WEIGHT_DECAY, "optimizer": "AdamW(0.9, 0.95)", "norm_lr_scale": NORM_LR_SCALE,
+                      "weight_decay": WEIGHT_DECAY, "optimizer": "Muon (layers, match_rms_adamw) + AdamW(0.9, 0.95)", "norm_lr_scale": NORM_LR_SCALE,
                       "chat_mix": mix or CHAT_MIX, "text_share": TEXT_SHARE,
                       "dtype": "float32 weights, bf16 autocast" if AUTOCAST else "float32"},
            "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
