@@ -118,10 +118,10 @@ print(pipe.conversation.last_stats.line())                 # reused_tokens: what
             "bash",
             f'''\
 curl -s http://127.0.0.1:{port}/v1/chat/completions -H "Content-Type: application/json" -d '{{"model": "{TRAINED}",
-  "messages": [{{"role": "user", "content": "How many g are in 37 kg?"}}], "temperature": 0, "max_tokens": 200}}' | python -m json.tool''',
+  "messages": [{{"role": "user", "content": "What is 501 + 69?"}}], "temperature": 0, "max_tokens": 200}}' | python -m json.tool''',
             server=True,
             runs=2,
-            expected=[("convert", 37000)],
+            expected=[("add", 570)],
             answers=lambda out: [json.loads(out)["choices"][0]["message"]["content"]],
         ),
         Demo(
