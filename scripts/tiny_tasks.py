@@ -4,8 +4,9 @@ A family makes one exercise from a random generator: the question, the working t
 its <think> section, the answer line, and the expected value. `read_answer` takes a reply's answer
 back out, so accuracy is a comparison, not a judgement:
 
-    add        347 + 285         column by column from the right, with carries
-    subtract   502 - 287         column by column from the right, with borrows
+    add        347 + 285         column by column from the right, each column's digits read off the question
+                                 by place, the carry, and the result so far (`tens: 4 + 8 + 1 = 13 → 32, carry 1`)
+    subtract   502 - 287         the same, with borrows
     repeat     42, 7, 19         copy the list (the easy family: every other one starts by copying)
     sort       42, 7, 19, 88     take the smallest of what is left, until nothing is
     convert    7 km to m         1 km = 1000 m, so multiply (append the zeros)

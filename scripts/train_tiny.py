@@ -58,7 +58,7 @@ TARGET = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_a
               num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)  # fmt: skip
 DRAFT = dict(TARGET, num_hidden_layers=1)
 # Tokens per second of training on the 2-core EPYC under the lock, a little under what the probes and the default
-# run measured (Muon's orthogonalisation costs ~20% of AdamW's speed, docs/performance.md) so that a run with a
+# run measured (Muon's orthogonalisation costs ~15% of AdamW's speed, docs/performance.md) so that a run with a
 # neighbour still fits: --minutes -> steps.
 MEASURED_TOKENS_PER_SECOND = {"target": 8_600, "draft": 12_500}
 AUTOCAST = True  # bf16 matmuls (fp32 weights and optimizer): 2.2x the tokens/s of fp32 at this size, measured
