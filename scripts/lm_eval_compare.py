@@ -19,15 +19,12 @@ with the newlines Qwen3 writes before an answer; texts are compared with leading
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from server_process import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -78,27 +75,6 @@ def write_tasks(folder: Path) -> None:
     (folder / "qwen3_gen.yaml").write_text(GEN_TASK.format(data=data))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "qwen3_scratch.serve", "--model", model, "--served-model-name", "served",
-               "--port", str(port), "--dtype", "float32", "--local-files-only"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return server
-        except httpx.TransportError:
-            time.sleep(0.2)
-    server.kill()
-    raise SystemExit("qwen3-serve did not start within 120 s")
-
-
 def evaluate(model_type: str, model_args: str, tasks: list[str], include: Path, chat: bool) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -131,11 +107,13 @@ def main() -> int:
     model = str(Path(args.model).resolve())
     include = Path(tempfile.mkdtemp())
     write_tasks(include)
-    port = free_port()
-    server = start_server(model, port)
+    try:
+        server, url = start_server(model, ["--served-model-name", "served", "--dtype", "float32", "--local-files-only"])
+    except RuntimeError as error:
+        raise SystemExit(f"qwen3-serve did not start: {error}") from None
     try:
         start = time.perf_counter()
-        base = f"http://127.0.0.1:{port}/v1"
+        base = f"{url}/v1"
         served = evaluate("local-completions", f"model=served,base_url={base}/completions,tokenizer={model},"
                           "tokenized_requests=True,max_length=256", ["qwen3_mc"], include, chat=False)  # fmt: skip
         served |= evaluate("local-chat-completions", f"model=served,base_url={base}/chat/completions,tokenizer={model}",

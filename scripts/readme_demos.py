@@ -25,7 +25,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+from server_process import wait_for_health  # noqa: E402
 from tiny_tasks import read_answer  # noqa: E402
 
 TRAINED, RANDOM = "weights/tiny-qwen3-trained", "weights/tiny-qwen3"
@@ -216,17 +216,10 @@ def served(cwd: Path, port: int = PORT):
     server = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"{command} exited with {server.returncode}: {server.stderr.read()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{command} did not answer /health in 300 s") from None
-                time.sleep(0.5)
+        try:
+            wait_for_health(server, f"http://127.0.0.1:{port}", timeout=300)
+        except RuntimeError as error:
+            raise RuntimeError(f"{command}: {error}") from None
         yield server
     finally:
         server.terminate()

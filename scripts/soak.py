@@ -25,15 +25,13 @@ import asyncio
 import json
 import random
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
 
 import httpx
+from server_process import start_server, stop_server
 
 KINDS = {"chat": 4, "completion": 3, "long": 1, "aborted": 1, "invalid": 3}  # relative weights
 WORDS = "cache token model block prefix batch step queue answer reason server engine".split()
@@ -219,52 +217,6 @@ async def server_metrics(client) -> str:
 def metric(text: str, name: str) -> float | None:
     found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-SERVE = [sys.executable, "-m", "qwen3_scratch.serve"]
-
-
-def start_server(model: str, extra: list[str], api_key: str | None = None, timeout: float = 120.0,
-                 serve: list[str] = SERVE) -> tuple[subprocess.Popen, str]:  # fmt: skip
-    """`python -m qwen3_scratch.serve` (or `serve`, taking the same flags) on a free port; returns
-    (process, url) once /health answers."""
-    port = free_port()
-    command = [*serve, "--model", model, "--port", str(port), *extra]
-    if api_key:
-        command += ["--api-key", api_key]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}: {process.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"the server did not answer /health within {timeout:g} s")
-
-
-def stop_server(process: subprocess.Popen, grace: float) -> tuple[int | None, float]:
-    """SIGTERM, then (exit status, seconds it took); None if it had to be killed."""
-    started = time.monotonic()
-    process.send_signal(signal.SIGTERM)
-    try:
-        status = process.wait(timeout=grace + 30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        status = None
-    return status, time.monotonic() - started
 
 
 def parse_args(argv=None):

@@ -52,8 +52,9 @@ from qwen3_scratch.text.tokenizer import Tokenizer  # noqa: E402
 # Qwen3's own order of its control tokens (ids 151643.. in the real vocabulary, less the vision and FIM ones).
 QWEN3_ADDED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 VOCAB = 2048  # trained BPE tokens; the 9 control tokens follow, and the embedding rounds up to a multiple of 64
-# 2 layers (an induction head needs two): in five minutes twice the steps of 4 layers, and the better model of
-# the two (held-out conversions 60% / 53% against 43% / 53%, text perplexity 143 against 268; docs/performance.md).
+# 2 layers (reading a digit by its place needs two): in five minutes twice the steps of 4 layers, and the better
+# model of the two under the AdamW recipe (held-out conversions 60% / 53% against 43% / 53%, text perplexity 143
+# against 268; docs/performance-history.md).
 TARGET = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)  # fmt: skip
 DRAFT = dict(TARGET, num_hidden_layers=1)
@@ -241,7 +242,8 @@ def train_checkpoint(out, shapes: dict, tokenizer: Tokenizer, steps: int, seed: 
     model = new_model(config, seed)
     log = train(model, tokenizer, steps, seed, name, mix=mix)
     log = {"recipe": {"shapes": shapes, "seed": seed, "lr": LR, "warmup": WARMUP, "min_lr_ratio": MIN_LR_RATIO,
-                      "weight_decay": WEIGHT_DECAY, "optimizer": "Muon (layers, match_rms_adamw) + AdamW(0.9, 0.95)", "norm_lr_scale": NORM_LR_SCALE,
+                      "weight_decay": WEIGHT_DECAY, "optimizer": "Muon (layers, match_rms_adamw) + AdamW(0.9, 0.95)",
+                      "norm_lr_scale": NORM_LR_SCALE,
                       "chat_mix": mix or CHAT_MIX, "text_share": TEXT_SHARE,
                       "dtype": "float32 weights, bf16 autocast" if AUTOCAST else "float32"},
            "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},

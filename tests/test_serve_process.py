@@ -1,7 +1,8 @@
 """`qwen3-serve` as a process, the way a supervisor sees it: SIGTERM drains it and it exits 0; when
 its engine dies, requests fail at once with 503 and it exits 1, to be restarted (server/process.py).
 
-Each test starts the real command on a free port (scripts/soak.py's start_server) over a tiny checkpoint.
+Each test starts the real command on a free port (scripts/server_process.py's start_server) over a
+tiny checkpoint.
 """
 
 import asyncio
@@ -11,7 +12,7 @@ import sys
 import httpx
 import pytest
 from make_tiny_checkpoint import make_tiny_checkpoint
-from soak import start_server
+from server_process import start_server
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
