@@ -41,7 +41,7 @@ def real_vocab_hf_tokenizer(real_vocab_folder):
     return transformers.AutoTokenizer.from_pretrained(real_vocab_folder)
 
 
-# The test session's training, ~140 s on the 2-core AMD EPYC (docs/performance.md#a-tiny-qwen3-trained-here): the
+# The test session's training, ~135 s on the 2-core AMD EPYC (docs/performance.md#a-tiny-qwen3-trained-here): the
 # target's shapes (2 layers) and optimizers (Muon and AdamW), 600 steps, on a mix weighted to what the tests
 # check: column addition (its digit tables form between 500 steps, 10% of held-out sums, and 600, 90%), unit
 # conversion (the easy family) and calculator episodes.
