@@ -10,9 +10,9 @@ failure is recorded in the JSON and the next step runs):
   2. per size (0.6B, 1.7B, 4B, 8B): write a random checkpoint of the exact shapes (drawn on the GPU,
      so 8B takes seconds), then decode greedily, batch 1, in bf16, int8 and int4, eager (KV cache) and
      compiled (CUDA graphs), against the GPU's bandwidth limit measured in the same process;
-  3. the load benchmark onto the GPU (scripts/benchmark_load.py --device cuda);
+  3. the load benchmark onto the GPU (scripts/bench/benchmark_load.py --device cuda);
   4. with >= 2 GPUs, tensor parallelism: TP=2 against TP=1 decode on the 0.6B shapes, and the TP=2
-     parity tests on NCCL (scripts/benchmark_tp.py --device cuda; tests/test_tensor_parallel.py runs gloo).
+     parity tests on NCCL (scripts/bench/benchmark_tp.py --device cuda; tests/test_tensor_parallel.py runs gloo).
 It writes gpu_check.json and gpu_check.md into --out after every step, so a run cut short keeps
 what it measured. A step that would start after --budget seconds is recorded as skipped.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for folder in (ROOT, HERE):  # the package need not be installed
+for folder in (ROOT, HERE / "checkpoints"):  # the package need not be installed
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
@@ -194,7 +194,7 @@ def decode_worker(size: str, device: str, weights: Path, new_tokens: int, out: P
 def run_step(command: list[str], limit: float) -> dict:
     """A subprocess with a time limit; its exit code, duration and the tail of its output."""
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE / "checkpoints"), os.environ.get("PYTHONPATH", "")])}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT, env=env)
         result = {"returncode": done.returncode, "output_tail": (done.stdout + done.stderr)[-2000:]}
@@ -246,13 +246,13 @@ def plan(args):
     for size in args.sizes.split(","):
         yield f"decode {size}", lambda size=size: decode_step(args, size)
     if args.device == "cuda":
-        load = [py, str(HERE / "benchmark_load.py"), "--device", "cuda", "--repeats", "3",
+        load = [py, str(HERE / "bench" / "benchmark_load.py"), "--device", "cuda", "--repeats", "3",
                 "--checkpoint", str(args.weights / "qwen3-0.6b-shapes-gpucheck"), "--json", str(args.out / "load.json")]  # fmt: skip
         yield "load benchmark", lambda: run_step(load, STEP_LIMITS["load"])
     else:
         yield "load benchmark", lambda: {"skipped": "the load benchmark measures loading onto a GPU"}
     if args.device == "cuda" and gpu_count() >= 2:
-        tp = [py, str(HERE / "benchmark_tp.py"), "--device", "cuda", "--sizes", "1,2", "--tokens", "128",
+        tp = [py, str(HERE / "bench" / "benchmark_tp.py"), "--device", "cuda", "--sizes", "1,2", "--tokens", "128",
               "--model", str(args.weights / "qwen3-0.6b-shapes-gpucheck")]  # fmt: skip
         yield "tensor parallel", lambda: run_step(tp, STEP_LIMITS["tp"])
     else:

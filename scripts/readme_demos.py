@@ -1,18 +1,18 @@
-"""Run every demo README.md shows and write its real output back into README.md, in place.
+"""Run every demo README.md and the guides in docs/ show, and write its real output back into that page, in place.
 
     python scripts/readme_demos.py                  # all demos (about a minute on 2 cores)
     python scripts/readme_demos.py chat-tool curl   # only these
-    python scripts/readme_demos.py --list           # the demos and the README regions they fill
+    python scripts/readme_demos.py --list           # the demos and the pages they fill
 
-Each demo owns one region of README.md, between `<!-- demo: NAME -->` and `<!-- /demo -->`: the
-command exactly as it runs here, then its output. Shell commands run through bash from the repository
+Each demo owns one region of one page (README.md or a guide, `Demo.page`), between `<!-- demo: NAME -->` and
+`<!-- /demo -->`: the command exactly as it runs here, then its output. Shell commands run through bash from the repository
 root; Python snippets run as they are written, in a fresh interpreter; the server demos start
-`python -m qwen3_scratch.serve` as README shows it and query it with curl and the real `openai` client.
+`python -m qwen3_scratch.serve` as docs/serving.md shows it and query it with curl and the real `openai` client.
 Prose outside the regions is not touched, so it must not quote numbers an output could change; what
 depends on the output (is the answer right?) is written inside the region, by `verdict`.
 
-Needs weights/tiny-qwen3-trained (`python scripts/train_tiny.py`, a few minutes); makes the random
-weights/tiny-qwen3 if it is missing (a second). A demo that fails stops the script and README is left
+Needs weights/tiny-qwen3-trained (`python scripts/tiny/train_tiny.py`, a few minutes); makes the random
+weights/tiny-qwen3 if it is missing (a second). A demo that fails stops the script and every page is left
 as it was.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "tiny")]
 from server_process import wait_for_health  # noqa: E402
 from tiny_tasks import read_answer  # noqa: E402
 
@@ -52,6 +52,7 @@ class Demo:
     runs: int = 1  # run this many times, show the last output (the prefix cache's second visit)
     expected: list[tuple[str, int]] = field(default_factory=list)  # (family, right answer) of each question asked
     answers: Callable[[str], list[str]] | None = None  # the output -> each answer's text, in the order asked
+    page: str = "README.md"  # the page, from the repository root, that holds its region
 
 
 def around_switch(output: str) -> list[str]:
@@ -62,7 +63,8 @@ def around_switch(output: str) -> list[str]:
 
 
 def demos(port: int = PORT) -> list[Demo]:
-    """Every demo, in README's order; port: where the server demos find the server (README's: 8000)."""
+    """Every demo, in reading order (README, then the guides); port: where the server demos find the server (the
+    pages': 8000)."""
     return [
         Demo(
             "chat-trained",
@@ -82,7 +84,7 @@ def demos(port: int = PORT) -> list[Demo]:
             "chat-tool",
             "bash",
             f"printf 'What is 9082 * 37?\\n' | python -m qwen3_scratch.chat --model {TRAINED} --temperature 0 \\\n"
-            "    --max-new-tokens 200 --tools scripts/calculator.json",
+            "    --max-new-tokens 200 --tools scripts/tiny/calculator.json",
         ),
         Demo(
             "chat-turns",
@@ -133,7 +135,7 @@ import sys
 
 from openai import OpenAI
 
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/tiny")
 from tiny_tasks import CALCULATOR, calculate   # the tool the model was trained to call, and the tool itself
 
 client = OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="unused")
@@ -172,7 +174,7 @@ def run(demo: Demo, cwd: Path) -> str:
 
 
 def verdict(demo: Demo, output: str) -> str:
-    """One sentence: whether each answer in the output is right. README prose must not guess it."""
+    """One sentence: whether each answer in the output is right. A page's prose must not guess it."""
     parts = []
     for (family, expected), text in zip(demo.expected, demo.answers(output), strict=True):
         got = read_answer(family, text)
@@ -182,7 +184,7 @@ def verdict(demo: Demo, output: str) -> str:
 
 
 def render(demo: Demo, output: str) -> str:
-    """The README region: the command as it ran, its output, and the verdict when the demo asks a question."""
+    """The page's region: the command as it ran, its output, and the verdict when the demo asks a question."""
     parts = [f"```{demo.language}\n{demo.code.rstrip()}\n```", f"```\n{output}\n```"]
     if demo.expected:
         parts.append(verdict(demo, output))
@@ -197,11 +199,11 @@ def regions(readme: str) -> dict[str, str]:
     return {m["name"]: m["body"] for m in REGION.finditer(readme)}
 
 
-def fill(readme: str, bodies: dict[str, str]) -> str:
-    """README with the named regions' bodies replaced; every other character kept."""
+def fill(readme: str, bodies: dict[str, str], page: str = "README.md") -> str:
+    """The page with the named regions' bodies replaced; every other character kept."""
     missing = set(bodies) - set(regions(readme))
     if missing:
-        raise KeyError(f"README.md has no region for {sorted(missing)}: add <!-- demo: NAME --> ... <!-- /demo -->")
+        raise KeyError(f"{page} has no region for {sorted(missing)}: add <!-- demo: NAME --> ... <!-- /demo -->")
     return REGION.sub(lambda m: m[1] + (bodies[m["name"]] + "\n" if m["name"] in bodies else m["body"]) + m[4], readme)
 
 
@@ -227,7 +229,7 @@ def served(cwd: Path, port: int = PORT):
 
 
 def outputs(chosen: list[Demo], cwd: Path, port: int = PORT) -> dict[str, str]:
-    """{name: README region body} for each demo, the server started once for the demos that need it."""
+    """{name: region body} for each demo, the server started once for the demos that need it."""
     bodies = {d.name: render(d, run(d, cwd)) for d in chosen if not d.server}
     on_server = [d for d in chosen if d.server]
     if on_server:
@@ -238,30 +240,35 @@ def outputs(chosen: list[Demo], cwd: Path, port: int = PORT) -> dict[str, str]:
 
 def check_weights(cwd: Path) -> None:
     if not (cwd / TRAINED / "model.safetensors").exists():
-        raise SystemExit(f"{TRAINED} is missing: train it first with `python scripts/train_tiny.py` (a few minutes)")
+        raise SystemExit(f"{TRAINED} is missing: train it first with `python scripts/tiny/train_tiny.py` (a few minutes)")
     if not (cwd / RANDOM / "model.safetensors.index.json").exists():
-        subprocess.run([sys.executable, "scripts/make_tiny_checkpoint.py"], cwd=cwd, check=True)
+        subprocess.run([sys.executable, "scripts/checkpoints/make_tiny_checkpoint.py"], cwd=cwd, check=True)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Run README's demos and write their real output into README.md.")
+    p = argparse.ArgumentParser(description="Run the demos of README.md and docs/ and write their real output there.")
     p.add_argument("names", nargs="*", help="demos to run (default: all)")
     p.add_argument("--list", action="store_true", help="list the demos and exit")
     args = p.parse_args(argv)
     every = demos()
     by_name = {d.name: d for d in every}
     if args.list:
-        print("\n".join(f"{d.name:<16} {d.code.splitlines()[0]}" for d in every))
+        print("\n".join(f"{d.name:<16} {d.page:<20} {d.code.splitlines()[0]}" for d in every))
         return 0
     unknown = [n for n in args.names if n not in by_name]
     if unknown:
         p.error(f"no demo named {unknown}; --list shows them")
     check_weights(ROOT)
     start = time.perf_counter()
-    bodies = outputs([by_name[n] for n in args.names] if args.names else every, ROOT)
-    readme = ROOT / "README.md"
-    readme.write_text(fill(readme.read_text(encoding="utf-8"), bodies), encoding="utf-8")
-    print(f"README.md: {len(bodies)} demo regions rewritten in {time.perf_counter() - start:.0f} s")
+    chosen = [by_name[n] for n in args.names] if args.names else every
+    bodies = outputs(chosen, ROOT)
+    pages = {d.page: {} for d in chosen}
+    for demo in chosen:
+        pages[demo.page][demo.name] = bodies[demo.name]
+    filled = {page: fill((ROOT / page).read_text(encoding="utf-8"), own, page) for page, own in pages.items()}
+    for page, text in filled.items():  # written only once every page has its regions: all or nothing
+        (ROOT / page).write_text(text, encoding="utf-8")
+    print(f"{len(bodies)} demo regions rewritten in {', '.join(pages)} in {time.perf_counter() - start:.0f} s")
     return 0
 
 

@@ -5,8 +5,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Tests import the checkpoint builders in tests/ and the scripts in scripts/ (make_tiny_checkpoint, ...).
-for folder in (ROOT / "tests", ROOT / "scripts"):
+# Tests import the checkpoint builders in tests/ and the scripts by module name (make_tiny_checkpoint, soak, ...),
+# wherever under scripts/ they live (tests/test_layering.py keeps their names unique).
+SCRIPT_FOLDERS = [ROOT / "scripts", *(ROOT / "scripts" / name for name in ("bench", "checkpoints", "tiny"))]
+for folder in (ROOT / "tests", *SCRIPT_FOLDERS):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 

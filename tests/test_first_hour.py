@@ -169,7 +169,7 @@ def readme_python_snippet() -> str:
 
 
 def test_readme_python_snippet_runs_as_written_on_a_cpu(tiny):
-    """In a folder holding weights/tiny-qwen3, as `python scripts/make_tiny_checkpoint.py` leaves it."""
+    """In a folder holding weights/tiny-qwen3, as `python scripts/checkpoints/make_tiny_checkpoint.py` leaves it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-c", readme_python_snippet()], capture_output=True, text=True,
                             timeout=120, cwd=tiny.parent.parent, env=env)  # fmt: skip

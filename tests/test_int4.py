@@ -1,6 +1,6 @@
 """int4 weights (kernels/int4.py) compute what they claim: the model whose matrices are the same int4 codes
 dequantized, to the suite's fp32 bar, in a prompt and in decode steps; and they load, generate, chat and
-serve through every entry point (CLI, chat, LLM, the server). Speed is in scripts/benchmark.py."""
+serve through every entry point (CLI, chat, LLM, the server). Speed is in scripts/bench/benchmark_decode.py."""
 
 import os
 import subprocess

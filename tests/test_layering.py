@@ -42,8 +42,13 @@ def package_modules() -> dict[str, Path]:
     return {module_name(p, PACKAGE, "qwen3_scratch"): p for p in PACKAGE.rglob("*.py")}
 
 
+def script_paths() -> list[Path]:
+    return sorted(SCRIPTS.rglob("*.py"))
+
+
 def script_modules() -> dict[str, Path]:
-    return {p.stem: p for p in SCRIPTS.glob("*.py")}
+    """{module name: path}: scripts import each other by bare name, whatever folder of scripts/ holds them."""
+    return {p.stem: p for p in script_paths()}
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
@@ -158,6 +163,15 @@ def test_scripts_have_no_import_circle():
     edges = {name: imports_of(name, path, set(scripts)) for name, path in scripts.items()}
     cycle = find_cycle(edges)
     assert cycle is None, "import circle in scripts/: " + " -> ".join(cycle)
+
+
+def test_no_two_scripts_share_a_module_name():
+    """Every folder of scripts/ is on one sys.path (tests/conftest.py): two files of one name would shadow each other."""
+    by_name: dict[str, list[str]] = {}
+    for path in script_paths():
+        by_name.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not clashes, f"scripts with the same module name (rename one): {clashes}"
 
 
 def test_only_the_entry_points_run_as_main_and_nothing_imports_them():

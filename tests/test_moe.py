@@ -272,7 +272,7 @@ def test_decode_step_bytes_count_only_the_chosen_experts(pristine):
 
 
 def test_cli_generates_from_the_tiny_moe_checkpoint(tmp_path, capsys):
-    """scripts/make_tiny_checkpoint.py --moe writes a checkpoint that the CLI and transformers both run alike."""
+    """scripts/checkpoints/make_tiny_checkpoint.py --moe writes a checkpoint that the CLI and transformers both run alike."""
     from make_tiny_checkpoint import main as make_tiny
 
     from qwen3_scratch.cli.generate import main as cli

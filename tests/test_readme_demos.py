@@ -1,4 +1,4 @@
-"""scripts/readme_demos.py: README shows the commands the script runs, and the script really runs them.
+"""scripts/readme_demos.py: README and the guides show the commands the script runs, and the script really runs them.
 
 The outputs in README come from the default 5-minute checkpoint; here the demos run on the test session's
 trained checkpoint (the `trained_tiny` fixture), so what is checked is that each command works and its
@@ -18,16 +18,20 @@ from tiny_tasks import CALCULATOR, is_held_out
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_demo_has_a_readme_region_showing_exactly_the_command_it_runs():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    shown = readme_demos.regions(readme)
+def test_every_demo_has_a_region_in_its_page_showing_exactly_the_command_it_runs():
     demos = readme_demos.demos()
-    assert set(shown) == {d.name for d in demos}, "README's <!-- demo: NAME --> regions and the script's demos differ"
+    pages = {path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8")
+             for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}  # fmt: skip
+    shown = {(page, name) for page, text in pages.items() for name in readme_demos.regions(text)}
+    assert shown == {(d.page, d.name) for d in demos}, "the pages' <!-- demo: NAME --> regions and the script's demos differ"
     for demo in demos:
-        assert shown[demo.name].startswith(f"```{demo.language}\n{demo.code.rstrip()}\n```\n```\n"), (
-            f"README's region {demo.name} does not show the command the script runs: run scripts/readme_demos.py"
+        body = readme_demos.regions(pages[demo.page])[demo.name]
+        assert body.startswith(f"```{demo.language}\n{demo.code.rstrip()}\n```\n```\n"), (
+            f"{demo.page}'s region {demo.name} does not show the command the script runs: run scripts/readme_demos.py"
         )
-    assert readme_demos.serve_command() in readme, "README should show the server command the demos start"
+    server_pages = {d.page for d in demos if d.server}
+    for page in server_pages:
+        assert readme_demos.serve_command() in pages[page], f"{page} should show the server command its demos start"
 
 
 def test_fill_rewrites_only_the_regions_it_is_given():
@@ -52,7 +56,7 @@ def test_every_question_the_demos_ask_is_held_out_from_training():
 
 
 def test_calculator_json_is_the_schema_the_model_was_trained_with():
-    assert json.loads((ROOT / "scripts" / "calculator.json").read_text()) == [CALCULATOR]
+    assert json.loads((ROOT / "scripts" / "tiny" / "calculator.json").read_text()) == [CALCULATOR]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""scripts/make_shape_checkpoint.py: Hub layout, true Qwen3 facts, and a checkpoint both loaders agree on.
+"""scripts/checkpoints/make_shape_checkpoint.py: Hub layout, true Qwen3 facts, and a checkpoint both loaders agree on.
 
 The weights are written through the same code path as the real sizes, only shrunk by `overrides`,
 with a shard size small enough to force several shards and an index.

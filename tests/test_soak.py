@@ -1,4 +1,4 @@
-"""The short soak: scripts/soak.py for ~12 s against the real `qwen3-serve` over a tiny checkpoint.
+"""The short soak: scripts/bench/soak.py for ~12 s against the real `qwen3-serve` over a tiny checkpoint.
 
 Clients send valid, invalid, dropped and long requests at once; the script fails unless every valid
 request got 200, every invalid one a 4xx, nothing is held at the end, memory did not grow past the

@@ -1,4 +1,4 @@
-"""scripts/make_tiny_checkpoint.py writes a checkpoint that transformers loads like a Hub download."""
+"""scripts/checkpoints/make_tiny_checkpoint.py writes a checkpoint that transformers loads like a Hub download."""
 
 import json
 import subprocess

@@ -20,7 +20,7 @@ activations' dtype, masked, softmax in fp32, cast back, times v; each sum in fp3
 the gather path's within float rounding; bf16 rounds where eager rounds (emulate_precision_casts).
 tests/test_paged_attention.py checks it against the gather path and the engine against the simple loop.
 
-Measured (scripts/profile_serving_step.py and one layer alone; 0.6B shapes: K=8 kv heads, D=128, 16
+Measured (scripts/bench/profile_serving_step.py and one layer alone; 0.6B shapes: K=8 kv heads, D=128, 16
 rows x 513 keys, blocks of 16, pages scattered through the pool; AMD EPYC Zen 4, 2 threads), one layer:
   bf16: contiguous one_query_attention 3.1 ms, gather + it 10.5 ms, in place 4.3 ms, FlexAttention 12.2 ms
   fp32: contiguous SDPA 5.7 ms, gather + it 36.7 ms, in place 4.5 ms, FlexAttention 6.0 ms

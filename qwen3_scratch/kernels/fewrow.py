@@ -16,7 +16,7 @@ multiplies 32 bf16 pairs and adds them into 16 fp32 sums; the loop below is:
 
 It is C++ with intrinsics, compiled once per process by inductor's C++ toolchain (the one matvec.py
 uses; its binary is cached on disk), with the same OpenMP as torch's own kernels. Measured at the
-0.6B shapes on a 2-core Zen 4 (scripts/benchmark_speculative.py --only costs; docs/performance.md,
+0.6B shapes on a 2-core Zen 4 (scripts/bench/benchmark_speculative.py --only costs; docs/performance.md,
 "Speculative decoding"): a whole verification forward over 5 rows (k = 4) costs 1.37 one-row decode
 steps with this kernel, 2.55 with F.linear; 2 rows cost 0.93.
 

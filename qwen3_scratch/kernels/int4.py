@@ -9,7 +9,7 @@ own scale and zero point:
     w ~ (q - 8) * scale + zero,  zero = lo + 8 * scale                 (torch's int4 kernels' convention)
 
 Asymmetric (a zero point per group) rather than symmetric (Q4_0's max-magnitude scale): measured on the
-Qwen3-0.6B shapes against bf16 (scripts/int4_accuracy.py), it gave the smaller logit error at every group
+Qwen3-0.6B shapes against bf16 (scripts/bench/quant_accuracy.py), it gave the smaller logit error at every group
 size (rms relative error at group 32: 0.33 against 0.36; max error 0.36 against 0.37), twice the argmax
 agreement at groups 64 and 128 and one position of 64 less at 32 (random weights: near-ties), and torch's
 kernel reads a zero point whether we use it or not, so it costs no bytes.
@@ -18,7 +18,7 @@ The products run torch's own int4 kernels on the packed nibbles: `_weight_int4pa
 number of rows, so prefill and serving batches too) and `_weight_int4pack_mm` on CUDA. On this project's
 CPU (2-core AMD EPYC, Zen 4) the CPU kernel with bf16 activations read 15-19 GB/s of int4 weights where
 an inductor-compiled loop that unpacks two nibbles, widens and multiply-adds (matvec.py's machinery) read
-5-9 (scripts/benchmark_matvec.py; docs/performance.md). With fp32 activations torch's CPU kernel is exact but slow here
+5-9 (scripts/bench/benchmark_matvec.py; docs/performance.md). With fp32 activations torch's CPU kernel is exact but slow here
 (~0.6 GB/s): int4 is meant to run with bf16 activations, the default on a CPU with native bf16.
 
 Exactness: the kernel dequantizes each weight to the activations' dtype and sums in fp32, so with fp32

@@ -1,6 +1,6 @@
 """The published shapes of the dense Qwen3 family, as their config.json files on the Hub give them.
 
-Used to build random checkpoints of the exact shapes (scripts/make_shape_checkpoint.py), to size the
+Used to build random checkpoints of the exact shapes (scripts/checkpoints/make_shape_checkpoint.py), to size the
 KV cache for every model (the notebook), and by the benchmarks. All share vocab 151936, head_dim 128,
 8 kv heads, rope_theta 1e6 and a 40960-token configured context.
 """

@@ -8,7 +8,7 @@ weights: a random model can only pick among valid continuations, and EOS is allo
 grammar may end.
 
 The engine is llguidance (Microsoft's, also a vLLM backend), chosen over xgrammar by measurement on this
-CPU with Qwen3's vocabulary (scripts/benchmark_grammar.py, docs/performance.md): both cost 60-100 us
+CPU with Qwen3's vocabulary (scripts/bench/benchmark_grammar.py, docs/performance.md): both cost 60-100 us
 per token per sequence, at 1 and at 16 concurrent sequences, about 0.1% of a 0.6B decode step here; but
 xgrammar compiles each new JSON schema ahead of time (0.93 s on 2 cores, on the engine's thread: every
 request with a new schema would stall every other request), where llguidance builds its lexer lazily

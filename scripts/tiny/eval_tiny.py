@@ -1,7 +1,7 @@
 """What the tiny trained Qwen3 can do, measured on questions it never saw, in bf16 and quantized.
 
-    python scripts/eval_tiny.py                                     # weights/tiny-qwen3-trained: bf16, int8 and int4
-    python scripts/eval_tiny.py --checkpoint /tmp/tiny --schemes none --per-family 20
+    python scripts/tiny/eval_tiny.py                                     # weights/tiny-qwen3-trained: bf16, int8 and int4
+    python scripts/tiny/eval_tiny.py --checkpoint /tmp/tiny --schemes none --per-family 20
 
 Every question is drawn from the held-out tenth of its family (tiny_tasks.is_held_out) and answered greedily:
   - accuracy per exercise family, thinking on and off: the reply's answer (tiny_tasks.read_answer) equals
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-for folder in (HERE.parent, HERE):
+for folder in (HERE.parents[1], HERE):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 

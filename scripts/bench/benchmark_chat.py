@@ -1,9 +1,9 @@
 """Time to first token of a chat's turn N, with the KV cache kept across turns and without, side by side.
 
-    python scripts/benchmark_chat.py                         # Qwen3-0.6B shapes, CPU, fp32, turn 6
-    python scripts/benchmark_chat.py --turns 6 --user-tokens 48 --reply-tokens 64 --reasoning-tokens 32
+    python scripts/bench/benchmark_chat.py                         # Qwen3-0.6B shapes, CPU, fp32, turn 6
+    python scripts/bench/benchmark_chat.py --turns 6 --user-tokens 48 --reply-tokens 64 --reasoning-tokens 32
 
-The checkpoint has Qwen3-0.6B's exact shapes and random weights (scripts/make_shape_checkpoint.py writes it
+The checkpoint has Qwen3-0.6B's exact shapes and random weights (scripts/checkpoints/make_shape_checkpoint.py writes it
 if missing). It has no tokenizer, so the conversation is built in token ids with Qwen3's own control ids,
 shaped the way Qwen3's template renders a chat: each turn adds a user message of --user-tokens random ids;
 the model then generates --reply-tokens greedily (real decode steps through the cache); the next prompt
@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for folder in (ROOT, HERE):  # run as a script from anywhere
+ROOT = HERE.parents[1]
+for folder in (ROOT, HERE, ROOT / "scripts" / "checkpoints"):  # run as a script from anywhere
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+from machine import Table, machine, machine_line  # noqa: E402
 from make_shape_checkpoint import default_out, make_shape_checkpoint  # noqa: E402
 
 from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
@@ -97,14 +98,13 @@ def main(argv=None) -> None:
         with_reuse.append(ttft(cache, prompt))
         fresh.reset()
         without.append(ttft(fresh, prompt))
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"cpu: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"{args.model.name}, {args.dtype}")  # fmt: skip
+    print(machine_line(machine()))
+    print(f"{args.model.name}, {args.dtype}")
     print(f"turn {args.turns}: prompt {len(prompt)} tokens; the cache held {cached} (turn {args.turns - 1}'s prompt "
           f"and reply), {shared} of them shared with the new prompt")  # fmt: skip
-    print("| turn {0} | tokens prefilled | TTFT median (s) | runs (s) |\n|---|---:|---:|---|".format(args.turns))
+    table = Table(f"turn {args.turns}", "tokens prefilled", "TTFT median (s)", "runs (s)")
     for name, runs, prefilled in (("reuse", with_reuse, len(prompt) - shared), ("no reuse", without, len(prompt))):
-        print(f"| {name} | {prefilled} | {statistics.median(runs):.3f} | {', '.join(f'{r:.3f}' for r in runs)} |")
+        table.row(name, prefilled, f"{statistics.median(runs):.3f}", ", ".join(f"{r:.3f}" for r in runs))
     print(f"speed-up: {statistics.median(without) / statistics.median(with_reuse):.1f}x")
 
 

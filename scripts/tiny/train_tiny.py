@@ -1,7 +1,7 @@
 """Train a tiny Qwen3 from scratch on this CPU, in minutes: a checkpoint that really answers.
 
-    python scripts/train_tiny.py                        # -> weights/tiny-qwen3-trained and weights/tiny-qwen3-trained-draft
-    python scripts/train_tiny.py --minutes 0.5 --out /tmp/tiny --no-draft
+    python scripts/tiny/train_tiny.py                        # -> weights/tiny-qwen3-trained and weights/tiny-qwen3-trained-draft
+    python scripts/tiny/train_tiny.py --minutes 0.5 --out /tmp/tiny --no-draft
 
 The model is the project's own `Qwen3` class, saved in the Hub's layout (config.json, generation_config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json with the chat template), so every command of the
@@ -30,7 +30,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
-for folder in (HERE.parent, HERE):
+ROOT = HERE.parents[1]
+for folder in (ROOT, HERE, ROOT / "scripts" / "checkpoints"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 

@@ -1,7 +1,7 @@
 """Per-rank memory of every Qwen3 size under tensor parallelism: weights and KV cache, N = 1, 2, 4, 8.
 
-    python scripts/tp_sizes.py                 # bf16 weights and cache, KV at 32,768 tokens
-    python scripts/tp_sizes.py --tokens 131072
+    python scripts/bench/tp_sizes.py                 # bf16 weights and cache, KV at 32,768 tokens
+    python scripts/bench/tp_sizes.py --tokens 131072
 
 Counted from the published shapes (qwen3_scratch/model/sizes.py, `per_rank_bytes`), with the split of
 qwen3_scratch/parallel/plan.py. Activations, the RoPE tables and the runtime's own memory come on top.

@@ -1,11 +1,11 @@
 """Speculative decoding on the CPU: what checking k+1 tokens costs, what a draft costs, and tokens/s
 against plain decoding as a function of the acceptance rate; prompt lookup on a quoting workload.
 
-    python scripts/benchmark_speculative.py --out docs/benchmarks/speculative_cpu.json     # ~12 min
-    python scripts/benchmark_speculative.py --only costs          # the verification and draft costs only
-    python scripts/benchmark_speculative.py --only agreement      # bf16: speculative greedy vs plain greedy
-    python scripts/benchmark_speculative.py --quick --only draft  # the adaptive k's rows only (~3 min)
-    python scripts/benchmark_speculative.py --only fallback --repeats 5   # nothing kept: the cost of trying
+    python scripts/bench/benchmark_speculative.py --out docs/benchmarks/speculative_cpu.json     # ~12 min
+    python scripts/bench/benchmark_speculative.py --only costs          # the verification and draft costs only
+    python scripts/bench/benchmark_speculative.py --only agreement      # bf16: speculative greedy vs plain greedy
+    python scripts/bench/benchmark_speculative.py --quick --only draft  # the adaptive k's rows only (~3 min)
+    python scripts/bench/benchmark_speculative.py --only fallback --repeats 5   # nothing kept: the cost of trying
 
 The target has Qwen3-0.6B's exact shapes (random weights; make_shape_checkpoint.py writes it if missing),
 in bf16 (this CPU's default) and the decode layout Pipeline loads it in. How the figures stay honest:
@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for folder in (ROOT, HERE):  # run as a script from anywhere
+ROOT = HERE.parents[1]
+for folder in (ROOT, HERE, ROOT / "scripts" / "checkpoints"):  # run as a script from anywhere
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 

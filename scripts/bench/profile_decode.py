@@ -1,8 +1,8 @@
 """Where one decode step's time goes, op by op, at the exact Qwen3-0.6B shapes (random weights).
 
-    python scripts/make_shape_checkpoint.py --size 0.6B        # once: weights/qwen3-0.6b-shapes
-    python scripts/profile_decode.py                           # bf16 and fp32, plain and optimized layouts
-    python scripts/profile_decode.py --dtypes bfloat16 --layouts optimized,int8 --steps 20
+    python scripts/checkpoints/make_shape_checkpoint.py --size 0.6B        # once: weights/qwen3-0.6b-shapes
+    python scripts/bench/profile_decode.py                           # bf16 and fp32, plain and optimized layouts
+    python scripts/bench/profile_decode.py --dtypes bfloat16 --layouts optimized,int8 --steps 20
 
 For each layout (plain: load_model as transformers' layout, one F.linear per checkpoint matrix;
 packed: q/k/v and gate/up fused and prepacked for oneDNN, as serving (LLM) loads; optimized: the
@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-for folder in (HERE.parent, HERE):
+ROOT = HERE.parents[1]
+for folder in (ROOT, HERE, ROOT / "scripts" / "checkpoints"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
         make_shape_checkpoint("0.6B", path)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"CPU: {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("command: python scripts/profile_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print("command: python scripts/bench/profile_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     for dtype in args.dtypes.split(","):
         for layout in args.layouts.split(","):
             if layout == "int8" and dtype != "bfloat16":

@@ -1,6 +1,6 @@
 """Serving throughput over HTTP against any OpenAI-compatible server: ours (`qwen3-serve`) or vLLM's.
 
-    python scripts/benchmark_serving_http.py --url http://127.0.0.1:8000/v1 --model weights/qwen3-0.6b-shapes-serve \
+    python scripts/bench/benchmark_serving_http.py --url http://127.0.0.1:8000/v1 --model weights/qwen3-0.6b-shapes-serve \
         --concurrency 1,16 --label ours --out docs/benchmarks/serving_http.json
 
 Each client sends POST /v1/completions with a prompt of --prompt-tokens random token ids (the same

@@ -1,6 +1,6 @@
 """One activation row times each Qwen3-0.6B matrix: how fast each CPU kernel reads the weights.
 
-    python scripts/benchmark_matvec.py                 # fp32, bf16, int8 and int4; GB/s per kernel and matrix
+    python scripts/bench/benchmark_matvec.py                 # fp32, bf16, int8 and int4; GB/s per kernel and matrix
 
 Batch-1 decode is these products and little else, so a kernel's GB/s here is the ceiling of decode
 speed. Per matrix shape, 28 layers' worth of matrices (the lm_head once) so nothing stays in the
@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: qwen3_scratch
+
+from machine import Table, machine, machine_line  # noqa: E402
 
 from qwen3_scratch.generation.stats import measure_bandwidth  # noqa: E402
 from qwen3_scratch.kernels.int4 import quantize_and_pack, quantize_groups  # noqa: E402
@@ -102,11 +104,9 @@ def main(argv=None) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16,int8,int4")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"CPU: {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"command: python scripts/benchmark_matvec.py {' '.join(argv or sys.argv[1:])}")
-    print(f"copy bandwidth {measure_bandwidth('cpu') / 1e9:.1f} GB/s\n")
-    print("| matrix | dtype | kernel | GB/s |\n|---|---|---|---:|")
+    print(machine_line(machine("cpu", measure_bandwidth("cpu"))))  # bandwidth_gb_s: the copy bandwidth
+    print(f"command: python scripts/bench/benchmark_matvec.py {' '.join(argv or sys.argv[1:])}\n")
+    table = Table("matrix", "dtype", "kernel", "GB/s", text_columns=3)
     for name, (n, k, count) in SHAPES.items():
         for dtype in args.dtypes.split(","):
             float_dtype = torch.bfloat16 if dtype in ("int8", "int4") else getattr(torch, dtype)
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
             if dtype in ("int8", "int4"):
                 del weights  # only the quantized copies are read
             for label, products in kernels.items():
-                print(f"| {name} | {dtype} | {label} | {gb_per_s(products, round(n * k * count * element)):.1f} |", flush=True)
+                table.row(name, dtype, label, f"{gb_per_s(products, round(n * k * count * element)):.1f}")
 
 
 if __name__ == "__main__":

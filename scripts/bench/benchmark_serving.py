@@ -1,8 +1,8 @@
 """Serving throughput and latency: the engine's continuous batching against one request at a time and
 against transformers' `generate` on static batches, on the same prompts, in one run.
 
-    python scripts/make_shape_checkpoint.py --size 0.6B          # once: weights/qwen3-0.6b-shapes
-    python scripts/benchmark_serving.py                            # -> docs/benchmarks/serving_cpu_0.6B.json
+    python scripts/checkpoints/make_shape_checkpoint.py --size 0.6B          # once: weights/qwen3-0.6b-shapes
+    python scripts/bench/benchmark_serving.py                            # -> docs/benchmarks/serving_cpu_0.6B.json
 
 Every run generates exactly --new-tokens per request (EOS ignored), greedy, from random prompt ids.
 Reported: output tokens/s at each concurrency; TTFT and time per output token (p50/p90) per request,
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -169,7 +169,7 @@ def main(argv=None):
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_average_at_start": os.getloadavg()}  # fmt: skip
-    print(f"machine: {info}\ncommand: python scripts/benchmark_serving.py {' '.join(argv or sys.argv[1:])}", flush=True)
+    print(f"machine: {info}\ncommand: python scripts/bench/benchmark_serving.py {' '.join(argv or sys.argv[1:])}", flush=True)
     dtype = pick_dtype(args.dtype, "cpu")
     info["dtype"] = dtype
     model = load_model(args.checkpoint, dtype=dtype, optimize="batch")  # the layout LLM loads

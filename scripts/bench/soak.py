@@ -1,7 +1,7 @@
 """Soak the server: N clients for a fixed time, sending valid, invalid, aborted and long requests at once.
 
-    python scripts/soak.py --model weights/tiny-qwen3 --clients 16 --duration 300
-    python scripts/soak.py --url http://127.0.0.1:8000 --api-key KEY --model NAME   # a server already running
+    python scripts/bench/soak.py --model weights/tiny-qwen3 --clients 16 --duration 300
+    python scripts/bench/soak.py --url http://127.0.0.1:8000 --api-key KEY --model NAME   # a server already running
 
 It starts `qwen3-serve` itself (unless --url), sends requests for --warmup seconds, then for --duration
 seconds more, waits for the clients to stop, and reports (JSON on stdout, a summary on stderr):
@@ -29,9 +29,12 @@ import statistics
 import sys
 import time
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import httpx
-from server_process import start_server, stop_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: server_process.py
+from server_process import start_server, stop_server  # noqa: E402
 
 KINDS = {"chat": 4, "completion": 3, "long": 1, "aborted": 1, "invalid": 3}  # relative weights
 WORDS = "cache token model block prefix batch step queue answer reason server engine".split()

@@ -1,6 +1,6 @@
 """Per-token cost of a grammar engine on this CPU: xgrammar against llguidance, on Qwen3's real vocabulary.
 
-    python scripts/benchmark_grammar.py            # prints a table and writes docs/benchmarks/grammar_cpu.json
+    python scripts/bench/benchmark_grammar.py            # prints a table and writes docs/benchmarks/grammar_cpu.json
 
 Structured output asks the grammar engine, at every step of every constrained sequence, for the mask of
 tokens that keep the output valid (151,669 tokens checked against the grammar's state), then tells it the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 SCHEMA = {

@@ -1,7 +1,7 @@
 """Write a tiny random Qwen3 checkpoint, laid out exactly like a Hub download.
 
-    python scripts/make_tiny_checkpoint.py --out weights/tiny-qwen3
-    python scripts/make_tiny_checkpoint.py --moe      # weights/tiny-qwen3-moe: a Qwen3-MoE (8 experts, 2 per token)
+    python scripts/checkpoints/make_tiny_checkpoint.py --out weights/tiny-qwen3
+    python scripts/checkpoints/make_tiny_checkpoint.py --moe      # weights/tiny-qwen3-moe: a Qwen3-MoE (8 experts, 2 per token)
 
 It needs only torch, safetensors, tokenizers and this package (not transformers), so a new user can try every
 command of qwen3-scratch in seconds, with no download. The weights are random, so the text is

@@ -1,8 +1,8 @@
 """What checking downloads costs: our transfer (hashing as it writes) against huggingface_hub's snapshot_download,
 and `--verify` (hashing a folder on disk again), with peak RAM, on the fake Hub on 127.0.0.1.
 
-    python scripts/benchmark_download.py                 # a 512 MiB shard, 3 runs each
-    python scripts/benchmark_download.py --mib 2048 --runs 1
+    python scripts/bench/benchmark_download.py                 # a 512 MiB shard, 3 runs each
+    python scripts/bench/benchmark_download.py --mib 2048 --runs 1
 
 The repo is a config.json and one random-bytes `model.safetensors` of --mib MiB, served by tests/fake_hub.py
 (a plain-Python HTTP server, so absolute speeds are the server's as much as the client's: compare the two
@@ -21,12 +21,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for folder in (ROOT, ROOT / "tests"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
 from fake_hub import serve_fake_hub  # noqa: E402
+from machine import Table, machine, machine_line  # noqa: E402
 
 REPO = "bench-org/one-shard"
 MiB = 2**20
@@ -88,14 +89,13 @@ def main() -> None:
                     results[which].append(run_client(which, hub.url, out))
                     if which == "ours":  # the folder is complete: --verify hashes it again, fetches nothing
                         results["verify"].append(run_client("verify", hub.url, out))
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"{args.mib} MiB shard, fake Hub on 127.0.0.1, {platform.python_version()}, CPU: {cpu}")
-    print("| client | seconds (median) | MiB/s | peak RSS MiB |")
-    print("|---|---|---|---|")
+    print(machine_line({**machine(), "python": platform.python_version()}))
+    print(f"{args.mib} MiB shard, fake Hub on 127.0.0.1")
+    table = Table("client", "seconds (median)", "MiB/s", "peak RSS MiB")
     for which, runs in results.items():
         seconds = statistics.median(r["seconds"] for r in runs)
         rss = statistics.median(r["peak_rss_mib"] for r in runs)
-        print(f"| {which} | {seconds:.2f} | {args.mib / seconds:.0f} | {rss:.0f} |")
+        table.row(which, f"{seconds:.2f}", f"{args.mib / seconds:.0f}", f"{rss:.0f}")
 
 
 if __name__ == "__main__":

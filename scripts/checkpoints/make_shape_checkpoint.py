@@ -1,7 +1,7 @@
 """Write a random-weight Qwen3 checkpoint with the exact published shapes of one size.
 
-    python scripts/make_shape_checkpoint.py --size 0.6B          # -> weights/qwen3-0.6b-shapes
-    python scripts/make_shape_checkpoint.py --size 8B --out /data/qwen3-8b-shapes
+    python scripts/checkpoints/make_shape_checkpoint.py --size 0.6B          # -> weights/qwen3-0.6b-shapes
+    python scripts/checkpoints/make_shape_checkpoint.py --size 8B --out /data/qwen3-8b-shapes
 
 The benchmarks need the real shapes (the real bytes on disk, the real matmul sizes), not the real
 weights, so this skips a download. The folder is laid out like the Hub's: `config.json`,
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere: `python scripts/make_shape_checkpoint.py`
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere: `python scripts/checkpoints/make_shape_checkpoint.py`
     sys.path.insert(0, str(ROOT))
 
 from qwen3_scratch.checkpoint.weights import read_checkpoint_index  # noqa: E402

@@ -1,6 +1,6 @@
 """EleutherAI's lm-eval against qwen3-serve, and the same tasks through lm-eval's `hf` model: same numbers?
 
-    python scripts/lm_eval_compare.py --model weights/tiny-qwen3          # writes docs/benchmarks/lm_eval_compare.json
+    python scripts/bench/lm_eval_compare.py --model weights/tiny-qwen3          # writes docs/benchmarks/lm_eval_compare.json
 
 Two small local tasks (their data is written here, no download):
   - `qwen3_mc`, a log-likelihood task (multiple choice): lm-eval's `local-completions` model sends each
@@ -24,9 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from server_process import start_server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: server_process.py
+from server_process import start_server  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = [
     ("The capital of France is", [" Paris", " London", " Rome"], 0),
     ("Two plus two equals", [" four", " five", " three"], 0),

@@ -1,12 +1,12 @@
 """MoE decode speed on CPU: ours vs transformers, side by side in one run, on Qwen3-30B-A3B's per-layer shapes.
 
-    python scripts/benchmark_moe.py                   # 4 layers of 30B-A3B shapes, bf16, 32 new tokens x 5
-    python scripts/benchmark_moe.py --dtype float16   # the same weights cast to fp16 by both engines
-    python scripts/benchmark_moe.py --layers 6 --new-tokens 64 --repeats 7
+    python scripts/bench/benchmark_moe.py                   # 4 layers of 30B-A3B shapes, bf16, 32 new tokens x 5
+    python scripts/bench/benchmark_moe.py --dtype float16   # the same weights cast to fp16 by both engines
+    python scripts/bench/benchmark_moe.py --layers 6 --new-tokens 64 --repeats 7
 
 The whole 30B-A3B (61 GB in bf16) does not fit this machine, so the checkpoint keeps every per-layer
 shape (hidden 2048, 32 query / 4 kv heads, 128 experts of width 768, 8 per token) and the real vocabulary,
-with fewer layers: random weights written by scripts/make_shape_checkpoint.py (its weights/ folder is
+with fewer layers: random weights written by scripts/checkpoints/make_shape_checkpoint.py (its weights/ folder is
 reused). Decode speed depends on the bytes and matmul sizes, not on what the weights say.
 
 A decode step of one token reads only its 8 experts per layer, so the bandwidth limit is
@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for folder in (ROOT, HERE):  # run as a script from anywhere
+ROOT = HERE.parents[1]
+for folder in (ROOT, HERE, ROOT / "scripts" / "checkpoints"):  # run as a script from anywhere
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from benchmark import load_transformers, random_prompt, time_ours, time_transformers  # noqa: E402
-from machine import machine  # noqa: E402
+from benchmark_decode import load_transformers, random_prompt, time_ours, time_transformers  # noqa: E402
+from machine import Table, machine, machine_line  # noqa: E402
 from make_shape_checkpoint import make_shape_checkpoint  # noqa: E402
 
 from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
@@ -98,20 +98,19 @@ def main(argv=None) -> None:
     limit = bandwidth / active
     info = {**machine("cpu", bandwidth), "load_average_start": load_start, "load_average_end": os.getloadavg()}
     same = runs["ours"][-1].tokens == runs["transformers"][-1].tokens
-    print("\nmachine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
-    print("command: python scripts/benchmark_moe.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print("\n" + machine_line(info))
+    print("command: python scripts/bench/benchmark_moe.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"\nQwen3-{SIZE} shapes, {args.layers} layers, {args.dtype}: {weight_bytes(ours) / 1e9:.2f} GB of weights, "
           f"{active / 1e9:.3f} GB read per decode step (8 of 128 experts, lm_head, KV at context {mean_context}); "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s -> limit {limit:.1f} tok/s; median of {args.repeats} alternating runs\n")
-    print("| engine | TTFT (s) | decode tok/s | % of the active-bytes limit | all runs (tok/s) |")
-    print("|---|---:|---:|---:|---|")
+    table = Table("engine", "TTFT (s)", "decode tok/s", "% of the active-bytes limit", "all runs (tok/s)")
     report = {}
     for engine in ENGINES:
         decode = statistics.median(r.decode_tok_s for r in runs[engine])
         ttft = statistics.median(r.ttft_s for r in runs[engine])
         every = [round(r.decode_tok_s, 2) for r in runs[engine]]
         report[engine] = {"ttft_s": ttft, "decode_tok_s": decode, "util": decode / limit, "decode_tok_s_all": every}
-        print(f"| {engine} | {ttft:.3f} | {decode:.2f} | {decode / limit:.0%} | {every} |")
+        table.row(engine, f"{ttft:.3f}", f"{decode:.2f}", f"{decode / limit:.0%}", every)
     print(f"\ngreedy tokens identical to transformers': {same}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

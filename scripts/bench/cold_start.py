@@ -1,7 +1,7 @@
 """Cold start: a new process, from its start to its first token and exit, ours against llama.cpp.
 
-    python scripts/llamacpp_engine.py --convert weights/qwen3-0.6b-shapes --llama-cpp DIR   # once: GGUF + tokenizer
-    python scripts/cold_start.py                                  # bf16, 3 alternating rounds
+    python scripts/bench/llamacpp_engine.py --convert weights/qwen3-0.6b-shapes --llama-cpp DIR   # once: GGUF + tokenizer
+    python scripts/bench/cold_start.py                                  # bf16, 3 alternating rounds
 
 Ours: `python -m qwen3_scratch.generate --max-new-tokens 1` on the 0.6B shapes with Qwen3's real vocabulary
 (the `-with-tokenizer` folder `llamacpp_engine.py --convert` writes), so it pays what a user pays: Python,
@@ -21,10 +21,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from llamacpp_engine import gguf_path  # noqa: E402
+from machine import Table, machine, machine_line  # noqa: E402
 
 LLAMA = """
 import sys
@@ -68,11 +69,12 @@ def main(argv=None) -> None:
             runs["ours, second run"].append(timed(ours, env))
         print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in runs.items()), flush=True)
     llama = statistics.median(runs["llama.cpp"])
-    print(f"\n{args.dtype}, process start to first token and exit (median of {args.repeats}):\n")
-    print("| process | seconds | / llama.cpp | runs (s) |\n|---|---:|---:|---|")
+    print("\n" + machine_line(machine()))
+    print(f"{args.dtype}, process start to first token and exit (median of {args.repeats}):\n")
+    table = Table("process", "seconds", "/ llama.cpp", "runs (s)")
     for name, seconds in runs.items():
         median = statistics.median(seconds)
-        print(f"| {name} | {median:.2f} | {median / llama:.2f}x | {', '.join(f'{s:.2f}' for s in seconds)} |")
+        table.row(name, f"{median:.2f}", f"{median / llama:.2f}x", ", ".join(f"{s:.2f}" for s in seconds))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Where one batched decode step's time goes: the engine's paged step (in place, and with a gather) against
 the contiguous one.
 
-    python scripts/make_shape_checkpoint.py --size 0.6B        # once: weights/qwen3-0.6b-shapes
-    python scripts/profile_serving_step.py                     # 16 rows x 512 tokens, bf16 (LLM's CPU default)
-    python scripts/profile_serving_step.py --rows 16 --context 512 --steps 10 --dtype float32
+    python scripts/checkpoints/make_shape_checkpoint.py --size 0.6B        # once: weights/qwen3-0.6b-shapes
+    python scripts/bench/profile_serving_step.py                     # 16 rows x 512 tokens, bf16 (LLM's CPU default)
+    python scripts/bench/profile_serving_step.py --rows 16 --context 512 --steps 10 --dtype float32
 
 It builds the model in serving's layout (q/k/v and gate/up fused, oneDNN-prepacked: what `LLM` loads),
 then times --steps decode steps of --rows rows at --context cached tokens, alternating the engine's
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

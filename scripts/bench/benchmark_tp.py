@@ -1,7 +1,7 @@
 """Tensor parallelism on one CPU: decode speed and per-rank peak memory, TP=N against TP=1, side by side.
 
-    python scripts/benchmark_tp.py --model weights/qwen3-0.6b-shapes            # TP=2 vs TP=1, bf16
-    python scripts/benchmark_tp.py --model weights/qwen3-0.6b-shapes --rounds 5 --tokens 96
+    python scripts/bench/benchmark_tp.py --model weights/qwen3-0.6b-shapes            # TP=2 vs TP=1, bf16
+    python scripts/bench/benchmark_tp.py --model weights/qwen3-0.6b-shapes --rounds 5 --tokens 96
 
 Each configuration runs in a fresh process (a process holds one tensor-parallel group, and a fresh
 process gives honest peak-memory figures); the configurations alternate, round after round, and the
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def vm(pid: int | str, key: str) -> int:

@@ -1,11 +1,11 @@
 """Decode speed, side by side: transformers' `generate`, our full-recompute loop, our KV-cache loop
 (and the cache loop compiled, on GPU), on the same checkpoint and the same prompt.
 
-    python scripts/benchmark.py                                   # Qwen3-0.6B shapes, CPU, fp32
-    python scripts/benchmark.py --sizes 0.6B,1.7B,4B,8B --device cuda --engines transformers,recompute,cache,compiled
+    python scripts/bench/benchmark_decode.py                                   # Qwen3-0.6B shapes, CPU, fp32
+    python scripts/bench/benchmark_decode.py --sizes 0.6B,1.7B,4B,8B --device cuda --engines transformers,recompute,cache,compiled
 
 The checkpoints have the exact shapes of each Qwen3 size with random weights (written by
-scripts/make_shape_checkpoint.py if missing): decode speed depends on the bytes and the matmul
+scripts/checkpoints/make_shape_checkpoint.py if missing): decode speed depends on the bytes and the matmul
 sizes, not on what the weights say. Every engine generates a fixed number of tokens, greedily, with
 EOS ignored, so all do the same work.
 
@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for folder in (ROOT, HERE):  # run as a script from anywhere
+ROOT = HERE.parents[1]
+for folder in (ROOT, HERE, ROOT / "scripts" / "checkpoints"):  # run as a script from anywhere
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from machine import machine  # noqa: E402
+from machine import machine, machine_line  # noqa: E402
 from make_shape_checkpoint import default_out, make_shape_checkpoint  # noqa: E402
 
 from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
@@ -445,8 +445,8 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     bandwidth = measure_bandwidth(device)
     info = machine(device, bandwidth)
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    print("command: python scripts/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(machine_line(info), flush=True)
+    print("command: python scripts/bench/benchmark_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     for size in args.sizes.split(","):
         report = benchmark_size(size, args, device, dtype, engines)
         add_ratios(report, bandwidth)
