@@ -79,12 +79,14 @@ def demos(port: int = PORT) -> list[Demo]:
             "bash",
             f'python -m qwen3_scratch.generate --model {RANDOM} --prompt "Explain KV cache in one sentence." \\\n'
             "    --max-new-tokens 24 --seed 3 --show-stats",
+            page="docs/tiny-model.md",
         ),
         Demo(
             "chat-tool",
             "bash",
             f"printf 'What is 9082 * 37?\\n' | python -m qwen3_scratch.chat --model {TRAINED} --temperature 0 \\\n"
             "    --max-new-tokens 200 --tools scripts/tiny/calculator.json",
+            page="docs/tiny-model.md",
         ),
         Demo(
             "chat-turns",
@@ -93,6 +95,7 @@ def demos(port: int = PORT) -> list[Demo]:
             f"    python -m qwen3_scratch.chat --model {TRAINED} --temperature 0 --max-new-tokens 200",
             expected=[("subtract", 66), ("add", 292)],
             answers=around_switch,
+            page="docs/chat.md",
         ),
         Demo(
             "pipeline-chat",
@@ -114,6 +117,7 @@ print(pipe.conversation.last_stats.line())                 # reused_tokens: what
 ''',
             expected=[("subtract", 15), ("add", 211)],
             answers=lambda out: [ast.literal_eval(out.splitlines()[0])["content"], out.splitlines()[1]],
+            page="docs/chat.md",
         ),
         Demo(
             "curl",
@@ -125,6 +129,7 @@ curl -s http://127.0.0.1:{port}/v1/chat/completions -H "Content-Type: applicatio
             runs=2,
             expected=[("add", 570)],
             answers=lambda out: [json.loads(out)["choices"][0]["message"]["content"]],
+            page="docs/serving.md",
         ),
         Demo(
             "openai-tool",
@@ -157,6 +162,7 @@ print("answer:    ", final.content)
             server=True,
             expected=[("tool", 6723 * 98)],
             answers=lambda out: out.splitlines()[-1:],
+            page="docs/serving.md",
         ),
     ]
 

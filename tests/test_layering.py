@@ -1,6 +1,6 @@
 """The package's layers, kept: every import read with `ast`, no layer importing one above it, no circles.
 
-The layers, lowest first (README "Layout" draws them): the package root (errors.py, files.py), model/,
+The layers, lowest first (README and docs/layout.md draw them): the package root (errors.py, files.py), model/,
 kernels/, checkpoint/, parallel/, text/ and sampling/, generation/ and engine/ (siblings), server/, cli/, and the
 entry points (generate.py, chat.py, serve.py at the root, which only hand over to cli/). A module may
 import its own layer and the layers ALLOWED lists for it. Imports inside functions count too: a lazy
@@ -145,7 +145,7 @@ def test_the_allowed_layers_themselves_form_no_circle():
 
 def test_every_module_belongs_to_a_known_layer():
     unknown = sorted(m for m in package_modules() if layer_of(m) not in ALLOWED)
-    assert not unknown, f"modules outside every layer (add the folder to ALLOWED, and to README's Layout): {unknown}"
+    assert not unknown, f"modules outside every layer (add the folder to ALLOWED, and to docs/layout.md): {unknown}"
 
 
 def test_no_layer_imports_one_above_it():

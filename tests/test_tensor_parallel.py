@@ -99,7 +99,7 @@ def test_engine_under_two_ranks_gives_the_simple_loops_answers(checkpoints, mode
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_per_rank_sizes_count_what_a_rank_really_holds(checkpoints, models, kind):
-    """model/sizes.py's per-rank arithmetic (the README's table) against the parameters a loaded rank holds."""
+    """model/sizes.py's per-rank arithmetic (docs/parallel.md's table) against the parameters a loaded rank holds."""
     config = json.loads((checkpoints[kind] / "config.json").read_text())
     held = sum(p.numel() * p.element_size() for p in models[kind][1].parameters())  # fp32, a tied head once
     assert per_rank_bytes(config, 2, bytes_per_value=4)[0] == held
