@@ -112,6 +112,12 @@ def graphed_decode(model: Qwen3, cache: KVCache, capture: Capture | None = None)
     return runner
 
 
+def forget_graphs(model: Qwen3) -> None:
+    """Drop `model`'s captured graphs: after its modules changed (scripts/gpu_check.py switches int8 routes),
+    a graph would replay the old kernels."""
+    _RUNNERS.pop(model, None)
+
+
 def can_graph(model: Qwen3) -> bool:
     """A step is one fixed sequence of kernels except in MoE layers, whose experts depend on the data."""
     return not model.config.num_experts
