@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", help="run only these steps (names as in gpu_check.md, comma-separated)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine(args.device), "command": "python scripts/gpu_check.py " + " ".join(argv or sys.argv[1:]),
-              "steps": {}}  # fmt: skip
+    command = "python scripts/gpu_check.py " + " ".join(argv or sys.argv[1:])
+    report = {"machine": machine(args.device), "command": command, "steps": {}}
     start = time.perf_counter()
     chosen = None if args.steps is None else {s.strip() for s in args.steps.split(",")}
     for name, command, why in plan(args):
@@ -168,11 +168,14 @@ def result_row(size: str, key: str, r: dict) -> str:
         key += " (not compiled: transformers compiles on GPUs only)" if r.get("compiled") is False else ""
         return f"| {size} | {key} | {r['decode_tok_s']:.1f} | {util} | {r['ttft_s']:.3f} | {r['warmup_s']:.1f} |"
     if "gpu_busy_s" in r:
-        busy = "no GPU kernels (CPU run)" if r["gpu_busy_fraction"] is None else f"GPU busy {r['gpu_busy_fraction']:.0%}"
-        return f"| {size} | {key} | {busy} of {r['wall_s']:.2f} s, {r['output_tok_s']:.0f} output tok/s, {r['steps']} steps | | | |"
+        fraction = r["gpu_busy_fraction"]
+        busy = "no GPU kernels (CPU run)" if fraction is None else f"GPU busy {fraction:.0%}"
+        run = f"{r['wall_s']:.2f} s, {r['output_tok_s']:.0f} output tok/s, {r['steps']} steps"
+        return f"| {size} | {key} | {busy} of {run} | | | |"
     if "error" in r or "skipped" in r:
         return f"| {size} | {key} | {r.get('error') or r.get('skipped')} | | | |"
-    shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if not isinstance(v, (list, dict)))
+    scalars = {k: v for k, v in r.items() if not isinstance(v, (list, dict))}  # the workload's own figures
+    shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in scalars.items())
     return f"| {size} | {key} | {shown} | | | |"
 
 
@@ -183,7 +186,8 @@ def summary(step: dict) -> str:
         return step["error"]
     ok = step.get("returncode") == 0
     last = (step.get("output_tail") or "").strip().splitlines()[-1:] or [""]
-    return f"{'ok' if ok else 'FAILED (exit ' + str(step.get('returncode')) + ')'} in {step.get('seconds')} s: {last[0][:120]}"
+    status = "ok" if ok else f"FAILED (exit {step.get('returncode')})"
+    return f"{status} in {step.get('seconds')} s: {last[0][:120]}"
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 import torch
-from make_shape_checkpoint import GB, generation_config, plan_shards, shape_config, shard_file_names, tensor_shapes, write_json
+from make_shape_checkpoint import (GB, generation_config, plan_shards, shape_config, shard_file_names, tensor_shapes,
+                                   write_json)  # fmt: skip
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=512,

@@ -149,7 +149,8 @@ def time_transformers(model, device: str, new_tokens: int, static: bool) -> dict
     warmup_s = time.perf_counter() - start
     first, _ = run(1)
     total, tokens = run(new_tokens)
-    result = {"decode_tok_s": (new_tokens - 1) / (total - first), "ttft_s": first, "warmup_s": warmup_s, "tokens": tokens}
+    result = {"decode_tok_s": (new_tokens - 1) / (total - first), "ttft_s": first, "warmup_s": warmup_s,
+              "tokens": tokens}  # fmt: skip
     if static:
         result["compiled"] = torch.device(device).type == "cuda"
     return result
