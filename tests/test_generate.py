@@ -123,6 +123,43 @@ def test_compiled_decode_matches_eager(model):
         assert compiled == run(model, [ids], 6, sampling=GREEDY)[0], f"prompt of {length} tokens"
 
 
+def test_graph_runner_gives_the_eager_loops_tokens(model):
+    """The CUDA-graph path (static buffers, inputs copied in, one runner per batch size), with the CPU's
+    eager replay standing in for the graph: the eager loop's greedy tokens in fp32, alone and left-padded,
+    and again when a later generation replays the runner made for an earlier one."""
+    for prompts in ([prompt(7, seed=20)], [prompt(5, seed=21), prompt(13, seed=22)], [prompt(9, seed=23)]):
+        graphed = run(model, prompts, 12, sampling=GREEDY, cuda_graphs=True)
+        assert graphed == run(model, prompts, 12, sampling=GREEDY), f"batch of {len(prompts)}"
+
+
+def test_graph_is_captured_once_per_batch_size_and_again_for_new_rope_tables(checkpoint):
+    """A capture costs a GPU sync and seconds: it must happen once per batch size, not per generation; but
+    a graph reads the RoPE table at the address it was captured with, so a longer table needs a new one."""
+    from qwen3_scratch.generation import cuda_graph
+
+    model = load_model(checkpoint)
+    captures = []
+
+    def counting(step):
+        captures.append(step)
+        return cuda_graph.run_eagerly(step)
+
+    def generation(prompts, n):
+        loop = CachedLoop(model, PaddedBatch.left_pad(prompts, 0, "cpu"), n, cuda_graphs=True)
+        cuda_graph.graphed_decode(model, loop.cache, counting)  # the runner the loop will find
+        loop.start()
+        return loop.step(torch.zeros(len(prompts), dtype=torch.long))
+
+    generation([prompt(4, seed=24)], 8)
+    generation([prompt(6, seed=25)], 8)
+    assert len(captures) == 1, "a second generation of the same batch size must replay the first capture"
+    generation([prompt(4, seed=26), prompt(5, seed=27)], 8)
+    assert len(captures) == 2, "a new batch size needs its own capture"
+    model.build_rope_tables(length=model.rope_cos.shape[0] * 2)  # what reserve_positions does for a long prompt
+    generation([prompt(4, seed=28)], 8)
+    assert len(captures) == 3, "a graph over a freed RoPE table would read garbage: capture again"
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -152,3 +189,14 @@ def test_cuda_decode_steps_never_wait_for_the_gpu(checkpoint):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(tokens) == 16
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_graphs_by_default_give_the_eager_loops_tokens(checkpoint):
+    """On a GPU the default loop replays CUDA graphs; --no-cuda-graphs runs it op by op: same tokens (fp32),
+    also for a batch of two and for a second generation replaying the first one's graph."""
+    model = load_model(checkpoint, device="cuda", dtype="float32")
+    for prompts in ([prompt(11, seed=30)], [prompt(11, seed=31)], [prompt(5, seed=32), prompt(17, seed=33)]):
+        eager = run(model, prompts, 24, sampling=GREEDY, cuda_graphs=False)
+        assert run(model, prompts, 24, sampling=GREEDY) == eager, f"batch of {len(prompts)}"

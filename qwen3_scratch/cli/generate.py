@@ -64,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="decode with the KV cache; --no-kv-cache recomputes everything each step (default: on)")  # fmt: skip
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (CUDA graphs on GPU); the first step pays the compile time (default: off)")  # fmt: skip
+                   help="torch.compile the decode step (inductor's fused kernels, as CUDA graphs; GPU only); the first "
+                   "start pays the compile, later ones load it from ~/.cache/qwen3-scratch/inductor (default: off)")  # fmt: skip
+    p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs", action="store_false", default=None,
+                   help="run each decode step op by op instead of replaying it from a CUDA graph, for debugging "
+                   "(default: graphs on a GPU)")  # fmt: skip
     speculative_flags(p)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens, for benchmarks (default: off)")
     p.add_argument("--show-stats", action="store_true", help="print a key=value stats line to stderr (default: off)")
@@ -100,7 +104,7 @@ def run(args) -> None:
     pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
                          revision=args.revision, verify=args.verify, quantize=args.quantize,
                          quantize_group_size=args.quantize_group_size, use_cache=args.kv_cache,
-                         compile=args.compile, measure_bandwidth=args.show_stats,
+                         compile=args.compile, cuda_graphs=args.cuda_graphs, measure_bandwidth=args.show_stats,
                          tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
     if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from qwen3_scratch.errors import GenerationError
+from qwen3_scratch.generation.compile_cache import compile_options
+from qwen3_scratch.generation.cuda_graph import can_graph, graphed_decode
 from qwen3_scratch.model.kv_cache import KVCache, attended_slots, attention_mask
 from qwen3_scratch.model.qwen3 import Qwen3
 from qwen3_scratch.sampling.logits import LogitsFilter, sample
@@ -102,31 +104,45 @@ class RecomputeLoop:
 
 
 class CachedLoop:
-    """KV-cache loop: prefill the prompt once, then run only the newest token at each step."""
+    """KV-cache loop: prefill the prompt once, then run only the newest token at each step.
 
-    def __init__(self, model: Qwen3, batch: PaddedBatch, n_new: int, compile: bool = False):
+    How a step runs: eagerly, op by op (the reference, and the CPU's default); replayed from a CUDA graph
+    over a static cache (cuda_graph.py; `cuda_graphs=None` means: where the model is on a GPU); or compiled
+    by inductor (`compile`, which captures its own CUDA graphs over its fused kernels).
+    """
+
+    def __init__(self, model: Qwen3, batch: PaddedBatch, n_new: int, compile: bool = False,
+                 cuda_graphs: bool | None = None):  # fmt: skip
         B, T = batch.ids.shape
         self.model, self.batch = model, batch
         if compile and model.config.num_experts:  # which experts run depends on the data: no fixed graph
             raise GenerationError("--compile is not implemented for MoE (qwen3_moe) models; run without it")
-        if compile:
+        if cuda_graphs is None:
+            cuda_graphs = model.device.type == "cuda" and can_graph(model)
+        self.graphed = cuda_graphs and not compile and can_graph(model)
+        if compile or self.graphed:  # fixed shapes and addresses: one cache per batch size, reused
             self.cache = static_cache(model, B, T + n_new)
-            self.decode_step = compiled_decode_step(self.cache)
         else:
             self.cache = KVCache(model.config, B, T + n_new, model.device, model.activation_dtype)
-            self.decode_step = decode_step
+        self.decode_step = compiled_decode_step(self.cache, model) if compile else decode_step
         self.compiled = compile
         self.slots = torch.arange(self.cache.max_len, device=model.device)  # made once; steps take views
         self.next_slot = T
         self.positions = batch.positions[:, -1:].clone()  # (B, 1), advanced in place
 
     def start(self) -> torch.Tensor:
-        return prefill(self.model, self.batch, self.cache)
+        logits = prefill(self.model, self.batch, self.cache)
+        if self.graphed:  # captured here, so that no decode step waits for the GPU
+            self.runner = graphed_decode(self.model, self.cache)
+            self.runner.prepare(self.slots[self.next_slot : self.next_slot + 1])
+        return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.positions += 1
         slot = self.slots[self.next_slot : self.next_slot + 1]
         self.next_slot += 1
+        if self.graphed:  # the step's inputs copied into the graph's buffers, then one replay
+            return self.runner(tokens[:, None], self.positions, slot)
         if self.compiled:  # fixed shapes: attend over every slot, the unwritten ones masked
             return self.decode_step(self.model, tokens[:, None], self.positions, self.cache, slot)
         # eager: attend over the slots written so far (in whole blocks), so a step costs what the
@@ -148,6 +164,7 @@ def generate_tokens(
     pad_id: int = 0,
     compile: bool = False,
     processing: LogitsProcessing | None = None,
+    cuda_graphs: bool | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) on the model's device, -1 once a row has finished,
     NON_FINITE (-2) where a row's logits were NaN or inf: the caller must stop there (checking it
@@ -158,12 +175,15 @@ def generate_tokens(
 
     processing: the request's penalties, bias, min_tokens and bad words (sampling/processors.py), applied
     to each step's logits before `sampling`; min_tokens holds back eos_ids.
+
+    compile / cuda_graphs: how each decode step runs (CachedLoop); cuda_graphs None is on where the model is
+    on a GPU, False is the eager loop (`--no-cuda-graphs`, for debugging).
     """
     device = model.device
     batch = PaddedBatch.left_pad(prompts, pad_id, device)
     n_new = plan_new_tokens(batch.ids.shape[1], max_new_tokens, model.config.max_position_embeddings)
     model.reserve_positions(batch.ids.shape[1] + n_new)  # RoPE tables for every position, before any compiled step
-    loop = CachedLoop(model, batch, n_new, compile) if use_cache else RecomputeLoop(model, batch)
+    loop = CachedLoop(model, batch, n_new, compile, cuda_graphs) if use_cache else RecomputeLoop(model, batch)
     eos = torch.tensor(list(eos_ids), device=device, dtype=torch.long)
     finished = torch.zeros(batch.ids.shape[0], dtype=torch.bool, device=device)
     process = None
@@ -204,15 +224,15 @@ def static_cache(model: Qwen3, batch_size: int, min_len: int) -> KVCache:
     return cache
 
 
-def compiled_decode_step(cache: KVCache):
-    """decode_step compiled with CUDA graphs ("reduce-overhead"), as gpt-fast does.
+def compiled_decode_step(cache: KVCache, model: Qwen3):
+    """decode_step compiled by inductor, with CUDA graphs on a GPU ("reduce-overhead"), as gpt-fast does.
 
     Decode is memory-bound but each step is dozens of small kernels; on a GPU, launching them one by
     one from Python costs more than running them. A CUDA graph replays the whole step with one launch.
-    The cache tensors must keep fixed addresses for that, which mark_static_address promises.
+    The cache tensors must keep fixed addresses for that, which mark_static_address promises. The
+    compiled code is kept on disk (compile_cache.py), so a second start loads it instead of compiling.
     """
     torch._dynamo.mark_static_address(cache.keys)
     torch._dynamo.mark_static_address(cache.values)
     torch._dynamo.mark_static_address(cache.key_valid)
-    mode = "reduce-overhead" if cache.keys.is_cuda else "default"
-    return torch.compile(decode_step, mode=mode, fullgraph=True)
+    return torch.compile(decode_step, fullgraph=True, options=compile_options(model, cache.keys.is_cuda))

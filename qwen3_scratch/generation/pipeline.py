@@ -60,7 +60,9 @@ class Pipeline:
     """One model, its tokenizer and the simple loops: text in, text (or typed chat pieces) out.
 
     How every call runs is fixed when the pipeline is made: `use_cache` (False: the full-recompute
-    reference loop), `compile` (the decode step as CUDA graphs; refused on a CPU),
+    reference loop), `compile` (the decode step compiled by inductor, as CUDA graphs; refused on a CPU),
+    `cuda_graphs` (None: each decode step replayed from a CUDA graph where the model is on a GPU, no compile
+    needed; False: eager steps, for debugging; generation/cuda_graph.py),
     `measure_bandwidth` (for the stats line's bandwidth_util) and `speculative` ("ngram": prompt
     lookup, or "draft": `draft`, a smaller Qwen3 with the same tokenizer, proposes; at most
     `num_speculative_tokens` a round; generation/speculative.py). What a call samples is its
@@ -68,12 +70,13 @@ class Pipeline:
 
     def __init__(self, model, tokenizer: Tokenizer, checkpoint: Path, *, use_cache: bool = True,
                  compile: bool = False, measure_bandwidth: bool = False, speculative: str | None = None,
-                 draft=None, num_speculative_tokens: int | None = None):  # fmt: skip
+                 draft=None, num_speculative_tokens: int | None = None, cuda_graphs: bool | None = None):  # fmt: skip
         if compile and model.device.type == "cpu":
             raise GenerationError(CPU_COMPILE_REFUSAL)
         check_speculative(speculative, draft, num_speculative_tokens, use_cache, compile)
         self.model, self.tokenizer, self.checkpoint = model, tokenizer, Path(checkpoint)
         self.use_cache, self.compile, self.measure_bandwidth = use_cache, compile, measure_bandwidth
+        self.cuda_graphs = cuda_graphs
         self.speculator = make_speculator(speculative, model, draft, num_speculative_tokens)
         tokenizer.check_fits_model(model.config.vocab_size, self.checkpoint)
         self.generation_config = load_generation_config(self.checkpoint, model.config.vocab_size)
@@ -85,7 +88,7 @@ class Pipeline:
     def load(cls, model=DEFAULT_MODEL, weights_dir="weights", local_files_only=False, device="auto", dtype="auto",
              *, revision=None, verify=False, quantize=None, quantize_group_size=None, use_cache=True, compile=False,
              measure_bandwidth=False, tensor_parallel_size=1, speculative=None, draft_model=None,
-             num_speculative_tokens=None) -> "Pipeline":  # fmt: skip
+             num_speculative_tokens=None, cuda_graphs=None) -> "Pipeline":  # fmt: skip
         """Resolve `model` (a folder, or a Hub id downloaded into weights_dir), load it laid out for
         batch-1 decode (kernels/layout.py) on `device` in `dtype` (checkpoint/placement.py's rule);
         tensor_parallel_size > 1 splits it over that many processes (parallel/).
@@ -111,7 +114,7 @@ class Pipeline:
             weights = load_model(folder, device, pick_dtype(dtype, device), **layout)
         return cls(weights, tokenizer, folder, use_cache=use_cache, compile=compile,
                    measure_bandwidth=measure_bandwidth, speculative=speculative, draft=draft,
-                   num_speculative_tokens=num_speculative_tokens)  # fmt: skip
+                   num_speculative_tokens=num_speculative_tokens, cuda_graphs=cuda_graphs)  # fmt: skip
 
     def resolve(self, params: SamplingParams | None) -> SamplingParams:
         """params (None: SamplingParams()) with the checkpoint's defaults for what it leaves unset; refuses the
@@ -200,6 +203,7 @@ class Pipeline:
             for step_tokens in generate_tokens(
                 self.model, prompts, max_new, params.logits_filter, self.stop_ids(params), generator,
                 use_cache=self.use_cache, pad_id=pad_id, compile=self.compile, processing=processing,
+                cuda_graphs=self.cuda_graphs,
             ):  # fmt: skip
                 yield step_tokens.tolist()  # the host sync streaming needs
             return

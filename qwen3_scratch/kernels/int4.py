@@ -37,7 +37,10 @@ from .matvec import kernel, unavailable_reason
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
-INNER_K_TILES = 2  # torch's packing parameter for the CUDA kernel (2, 4 or 8); the CPU packing ignores it
+# torch's packing parameter for the CUDA kernel (tinygemm: 2, 4 or 8 tiles of 16 along K per inner step); 8,
+# as gpt-fast packs, reads the longest runs per load, and needs K to be a multiple of 128 (every Qwen3 matrix
+# is), else 2 (a multiple of 32). The CPU packing ignores it.
+INNER_K_TILES = (8, 2)
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +127,7 @@ class Int4Linear(nn.Module):
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """codes (N, K) int32 in [0, 15] -> the layout torch's int4 kernel reads on codes' device."""
     if codes.is_cuda:  # the CUDA packing takes two codes a byte, (N, K/2) uint8, high nibble first
-        return torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), INNER_K_TILES)
-    return torch._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)  # (N, K/2) uint8
+        tiles = next(t for t in INNER_K_TILES if codes.shape[1] % (16 * t) == 0)
+        return torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), tiles)
+    return torch._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES[-1])  # (N, K/2) uint8
 

@@ -42,6 +42,15 @@ def quantize_rows(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[tor
     return q, scales
 
 
+# How an int8 product runs (Int8Linear.route). On a GPU the default is "fused-cast"; gpu_check measures both.
+#   "cpu"         a CPU: one row through the compiled loop (matvec.py), several through torch's CPU kernel;
+#   "fused-cast"  gpt-fast's expression, F.linear(x, q.to(bf16)) * scales: under torch.compile (with
+#                 coordinate-descent tuning, generation/compile_cache.py) the cast fuses into the product's
+#                 reduction, so each weight is read as one byte; eagerly it is a bf16 copy of q, then cuBLAS;
+#   "int8pack"    torch._weight_int8pack_mm, torch's own int8 kernel on the device (recent torch has a CUDA one).
+ROUTES = ("cpu", "fused-cast", "int8pack")
+
+
 class Int8Linear(nn.Module):
     """y = (x @ q.T) * scales, with q int8 (N, K) and scales (N,) in the activations' dtype."""
 
@@ -55,24 +64,39 @@ class Int8Linear(nn.Module):
         self.weight = nn.Parameter(q, requires_grad=False)  # (N, K) int8
         self.scales = nn.Parameter(scales.to(dtype), requires_grad=False)  # (N,)
         self.bias = linear.bias
+        self.route = "cpu" if q.device.type == "cpu" else "fused-cast"
         self.kernel = None  # on a CPU where inductor works: the compiled one-row loop (matvec.py)
         if q.device.type == "cpu" and unavailable_reason() is None:
             self.kernel = kernel(matvec_int8, torch.empty(1, self.in_features), q, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and one_row(x, self.in_features):
+        if self.route == "fused-cast":
+            # Why 14 tok/s at 8B on an H100 (10x slower than bf16) with `F.linear(...) * self.scales`:
+            # inductor's post-grad pass (torch/_inductor/fx_passes/quantization.py, the "woq" patterns, which
+            # accept CUDA in recent torch) rewrites exactly that expression, with bf16 scales, into
+            # _weight_int8pack_mm, whose CUDA kernel gives each output to one thread walking its whole row
+            # (uncoalesced reads; pytorch/pytorch#190529 rewrites it). The
+            # product times the scales in fp32 is the same bits (a bf16 product is computed in fp32 and
+            # rounded once) and no longer matches the pattern, so the cast fuses as gpt-fast meant.
+            y = F.linear(x, self.weight.to(x.dtype))  # (..., N)
+            y = (y.float() * self.scales.float()).to(x.dtype)
+        elif self.route == "cpu" and self.kernel is not None and one_row(x, self.in_features):
             product = matvec_int8 if torch.compiler.is_compiling() else self.kernel  # traced, or compiled here
             y = product(x.reshape(1, self.in_features).float().contiguous(), self.weight, self.scales)  # (N,)
             y = y.view(*x.shape[:-1], self.out_features)
-        elif x.is_cuda:
-            # Dequantize inside the matmul's input: under torch.compile the int8 -> bf16 cast fuses into
-            # the GEMV's weight load (gpt-fast's path); eagerly it costs one bf16 copy of the matrix.
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scales
-        else:
-            # several rows (prefill, batches): torch's CPU kernel for int8 weights and per-row scales
+        else:  # several rows on a CPU, or the "int8pack" route: torch's kernel for int8 weights and row scales
             y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def use_int8_route(model: nn.Module, route: str) -> None:
+    """Run every int8 product of `model` by `route` (ROUTES); scripts/gpu_check.py measures them side by side."""
+    if route not in ROUTES:
+        raise CheckpointError(f"int8 route {route!r} is not one of {', '.join(ROUTES)}")
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.route = route
 
 
 @torch.no_grad()
