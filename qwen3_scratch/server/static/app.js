@@ -101,7 +101,7 @@ async function* sseEvents(body) {
 function calculate(expression) {
   if (typeof expression !== "string") throw new Error("the expression must be a string");
   if (expression.length > 200) throw new Error("expression longer than 200 characters");
-  const tokens = expression.match(/\d+|\S/g) || [];
+  const tokens = expression.match(/\d+|\w+|\S/g) || []; // a word whole, so an error can name it
   let at = 0;
   const unexpected = () =>
     new Error(at < tokens.length ? `unexpected ${JSON.stringify(tokens[at])}` : "the expression ends too early");
@@ -463,7 +463,7 @@ function renderRequests(state) {
     const cells = [
       element("td", "id", shortId(id)),
       element("td", "", status),
-      element("td", "", `${seq.prompt_tokens} (${seq.cached_tokens})`),
+      element("td", "", seq.cached_tokens ? `${seq.prompt_tokens} (${seq.cached_tokens} cached)` : seq.prompt_tokens),
       element("td", "", `${seq.output_tokens} / ${seq.max_tokens}`),
       element("td", "", seq.blocks.length),
     ];
@@ -478,7 +478,7 @@ function renderRequests(state) {
 }
 
 function shortId(id) {
-  return id.length > 22 ? `${id.slice(0, 9)}…${id.slice(-8)}` : id;
+  return id.length > 14 ? `…${id.slice(-8)}` : id; // the whole id is the cell's title
 }
 
 function highlight(blocks, on) {
