@@ -14,7 +14,8 @@ from importlib.resources import files
 import httpx
 import pytest
 from make_tiny_checkpoint import make_tiny_checkpoint
-from scripted_server import AUTH, BLOCK_SIZE, MODEL, NUM_BLOCKS, scripted_server
+from scripted_server import API_KEY, AUTH, BLOCK_SIZE, MODEL, NUM_BLOCKS, scripted_server
+from server_process import start_server, stop_server
 
 from qwen3_scratch.engine.snapshot import block_state
 
@@ -107,6 +108,19 @@ def test_the_page_needs_no_key_but_the_engine_state_does_as_v1_does(server):
     assert httpx.get(f"{server.url}/engine/state", headers=AUTH).status_code == 200
 
 
+def test_the_qwen3_serve_command_serves_the_page_and_the_engine_state(server):
+    flags = ["--served-model-name", MODEL, "--num-blocks", "32"]
+    process, url = start_server(str(server.llm.checkpoint), flags, API_KEY)
+    try:
+        page = httpx.get(url + "/")
+        assert page.status_code == 200 and "<title>qwen3-scratch</title>" in page.text
+        assert httpx.get(f"{url}/engine/state").status_code == 401
+        pool = httpx.get(f"{url}/engine/state", headers=AUTH).json()["pool"]
+        assert pool["num_blocks"] == len(pool["states"]) == pool["free"] == 32
+    finally:
+        assert stop_server(process, grace=5)[0] == 0, process.stderr.read()[-2000:]
+
+
 def test_without_an_api_key_the_engine_state_is_open(tmp_path):
     with scripted_server(make_tiny_checkpoint(tmp_path / "tiny"), api_key=None) as open_server:
         assert httpx.get(f"{open_server.url}/engine/state").status_code == 200
@@ -135,7 +149,8 @@ def test_the_state_shows_a_running_request_its_blocks_and_after_it_the_cached_pr
     assert len(seq["blocks"]) == -(-(prompt + seq["output_tokens"]) // BLOCK_SIZE), "a block per 16 tokens held"
     pool = busy["pool"]
     assert [pool["states"][b] for b in seq["blocks"]] == ["u"] * len(seq["blocks"]), "one request: none shared"
-    assert pool["used"] == len(seq["blocks"]) and sum(pool[k] for k in ("free", "cached", "used", "shared")) == NUM_BLOCKS
+    assert pool["used"] == len(seq["blocks"])
+    assert sum(pool[k] for k in ("free", "cached", "used", "shared")) == NUM_BLOCKS, "each block in one state"
     assert busy["tokens_per_second"] > 0
     served.runner.delay = 0
     thread.join(30)

@@ -135,10 +135,13 @@ def test_a_streamed_answer_shows_its_reasoning_apart_and_folds_it_once_the_answe
     served.runner.delay = 0.04
     served.script("<think>\nThe user says hello over two lines, so I greet them back warmly.\n</think>\n\nHello there!")
     ask(browser, "Hello!\nHow are you?")
-    reasoning = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, ".message.assistant .thoughts").text)
-    assert js(browser, "document.querySelector('.message.assistant details').open"), "open while it streams"
-    assert browser.find_element(By.CSS_SELECTOR, ".message.assistant .answer").text == "", (
-        f"the reasoning ({reasoning!r}) streamed before any answer")
+    # the reply as it first shows reasoning, read in one script call so that nothing moves in between
+    first = wait(browser, lambda d: js(d, """(() => {
+        const reply = document.querySelector('.message.assistant');
+        const thoughts = reply && reply.querySelector('.thoughts').textContent;
+        return thoughts && {open: reply.querySelector('details').open, answer: reply.querySelector('.answer').textContent};
+    })()"""))
+    assert first == {"open": True, "answer": ""}, "the reasoning streams first, shown open, before any answer"
     wait(browser, idle, message="the answer ends")
     reply = replies(browser)[-1]
     assert reply.find_element(By.CSS_SELECTOR, ".answer").text == "Hello there!"
@@ -174,8 +177,8 @@ def test_a_calculator_call_is_shown_as_a_call_computed_by_the_page_and_its_resul
     open_page(browser, served.url)
     settings(browser, calculator=True)
     served.runner.delay = 0.01
-    served.script("<think>\nThe numbers are too long to work by hand, so I call the calculator.\n</think>\n\n"
-                  '<tool_call>\n{"name": "calculator", "arguments": {"expression": "4821 * 37"}}\n</tool_call>')  # fmt: skip
+    tool_call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "4821 * 37"}}\n</tool_call>'
+    served.script(f"<think>\nThe numbers are too long to work by hand, so I call the calculator.\n</think>\n\n{tool_call}")
     served.script("<think>\nThe calculator says 178377.\n</think>\n\n4821 * 37 = 178377")
     ask(browser, "What is 4821 * 37?")
     wait(browser, lambda d: len(replies(d)) == 2 and idle(d), message="the call, then the answer with its result")
@@ -194,9 +197,10 @@ def test_the_calculator_computes_integer_arithmetic_exactly_and_evaluates_nothin
     assert js(browser, "calculate('4821 * 37')") == "178377"
     assert js(browser, "calculate('-(2 - 10) * 3 + 99999999999 * 99999999999')") == str(24 + 99999999999**2)
     for hostile in ("alert(1)", "2 ** 3", "1; 2", "constructor", "2 / 3", "(1", "1e3", "window.x=1"):
-        error = js(browser, f"(() => {{ try {{ calculate({hostile!r}); return null; }} catch (e) {{ return e.message; }} }})()")
+        error = js(browser, f"(() => {{ try {{ calculate({hostile!r}); }} catch (e) {{ return e.message; }} }})()")
         assert error, f"calculate({hostile!r}) must refuse"
-    assert js(browser, "runTool({name: 'calculator', arguments: '{\"expression\": \"alert(1)\"}'}).text") == 'error: unexpected "alert"'
+    result = js(browser, "runTool({name: 'calculator', arguments: '{\"expression\": \"alert(1)\"}'}).text")
+    assert result == 'error: unexpected "alert"', "the tool's error goes back to the model as its result"
     assert js(browser, "typeof window.x") == "undefined"
 
 
@@ -278,7 +282,8 @@ def test_the_engine_view_shows_running_requests_and_the_blocks_their_system_prom
          message=f"{shared} shared blocks drawn")  # fmt: skip
     assert browser.find_element(By.ID, "count-shared").text == str(shared)
     rows = browser.find_elements(By.CSS_SELECTOR, "#requests tr.running")
-    assert len(rows) == 2 and rows[1].find_elements(By.TAG_NAME, "td")[2].text == f"{len(b)} ({shared * BLOCK_SIZE} cached)"
+    assert len(rows) == 2, "both requests listed as running"
+    assert rows[1].find_elements(By.TAG_NAME, "td")[2].text == f"{len(b)} ({shared * BLOCK_SIZE} cached)"
     screenshot(browser, tmp_path, "engine-panel")
     browser.switch_to.new_window("tab")  # the engine alone, while the chat tab's answer streams on
     open_page(browser, served.url, "/engine")

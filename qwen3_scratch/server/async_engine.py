@@ -176,7 +176,8 @@ class AsyncEngine:
             self.timing.pop(command[1], None)
             return
         if command[0] == "state":
-            self._answer(command[1], {**snapshot(self.engine), "tokens_per_second": self.metrics.rate(time.monotonic())})
+            rate = self.metrics.rate(time.monotonic())
+            self._answer(command[1], {**snapshot(self.engine), "tokens_per_second": rate})
             return
         _, request_id, prompt_ids, params, arrival = command
         if request_id not in self.streams:  # its client left before the engine saw it

@@ -218,7 +218,8 @@ class ReplyView {
 
   callCard(call) {
     const card = element("div", "call");
-    card.append(element("span", "call-tag", "tool call"), element("code", "call-text", `${call.name}(${describe(call.arguments)})`));
+    const text = `${call.name}(${describe(call.arguments)})`;
+    card.append(element("span", "call-tag", "tool call"), element("code", "call-text", text));
     call.resultNode = element("div", "call-result pending", "…");
     card.append(call.resultNode);
     return card;
@@ -236,7 +237,7 @@ class ReplyView {
 
   finish(reply, seconds) {
     this.answer.classList.remove("streaming");
-    if (reply.reasoning && !reply.content && !reply.toolCalls.length && !this.folded) this.summary.textContent = "Reasoning";
+    if (reply.reasoning && !this.folded) this.summary.textContent = "Reasoning"; // it ended before any answer
     if (!reply.content && !reply.reasoning && !reply.toolCalls.length && !reply.stopped) this.answer.hidden = true;
     const parts = [];
     if (reply.stopped) parts.push("stopped");
@@ -348,7 +349,11 @@ function assistantMessage(reply) {
   const message = { role: "assistant", content: reply.content || (reply.toolCalls.length ? null : "") };
   if (reply.reasoning) message.reasoning_content = reply.reasoning; // Qwen3's template reads it back
   if (reply.toolCalls.length) {
-    message.tool_calls = reply.toolCalls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
+    message.tool_calls = reply.toolCalls.map((call) => ({
+      id: call.id,
+      type: "function",
+      function: { name: call.name, arguments: call.arguments },
+    }));
   }
   return message;
 }
