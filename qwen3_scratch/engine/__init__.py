@@ -6,7 +6,9 @@ in place, compiled), scheduler.py (`Sequence`, `Scheduler`: one step's work), mo
 step -> forwards -> logits), sampler.py (each sequence's next token: grammar mask, logit processing,
 draw, logprobs), engine.py (`LLMEngine`: add, step, sample, retire), faults.py (a fault fails its own
 request, or the engine when shared state broke), embedder.py (Qwen3-Embedding: texts -> last-token,
-L2-normalised vectors) and llm.py (`LLM`, the offline API in vLLM's shape: generate, chat, embed).
+L2-normalised vectors), snapshot.py (the engine at one instant as plain data: its queues and the pool
+block by block, for the server's engine view) and llm.py (`LLM`, the offline API in vLLM's shape:
+generate, chat, embed).
 
 May import: model, checkpoint, parallel, text, sampling, the package root. Imported by: server, cli.
 The simple loops (generation/) are its sibling: neither imports the other.

@@ -13,8 +13,9 @@ shutting down (/health then says so too), 504 past --request-timeout; nothing re
 traceback, and the log holds it under the id the error message names. After a stream has begun, the
 same error body comes as its last event, before `data: [DONE]`.
 
-The API key guards /v1 only: /health, /metrics and /openapi.json stay open, as vLLM's do, for the
-load balancers and Prometheus scrapers that carry no key (they hold no prompt or output text).
+The API key guards /v1 and the engine view's /engine/state: /health, /metrics and /openapi.json stay
+open, as vLLM's do, for the load balancers and Prometheus scrapers that carry no key (they hold no prompt
+or output text), and so does the chat page itself (page.py), which asks the person for the key.
 
 A request's n choices (and each prompt of a list on /v1/completions) are built by choices.py; logprobs
 are formatted by logprobs.py; response_format and tool_choice become a grammar in structured.py.
@@ -44,6 +45,8 @@ from .embeddings import EMBEDDINGS
 from .embeddings import router as embeddings_router
 from .fields import CHAT, CHAT_VLLM, COMPLETIONS, RefusedField
 from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, RequestLimits
+from .page import STATE_PATH
+from .page import router as page_router
 from .logprobs import vllm_prompt_logprobs
 from .structured import chat_structure, from_vllm_fields
 
@@ -101,6 +104,7 @@ def build_app(engine: AsyncEngine | None, tokenizer: Tokenizer, model_name: str,
         app.middleware("http")(require_api_key(api_key))
     app.include_router(router)
     app.include_router(embeddings_router)
+    app.include_router(page_router)
     return app
 
 
@@ -109,7 +113,9 @@ def require_api_key(api_key: str):
 
     async def check(request: Request, call_next):
         given = request.headers.get("authorization", "").encode()
-        if request.url.path.startswith("/v1") and not secrets.compare_digest(given, expected):
+        path = request.url.path
+        guarded = path.startswith("/v1") or path == STATE_PATH
+        if guarded and not secrets.compare_digest(given, expected):
             body = api.error_body("missing or wrong API key: send Authorization: Bearer <key>",
                                   "authentication_error", "invalid_api_key")  # fmt: skip
             return JSONResponse(body, status_code=401)

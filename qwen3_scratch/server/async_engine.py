@@ -2,7 +2,7 @@
 
 The engine is single-threaded: only the engine thread touches it (the one exception: `check`, which
 only reads the config and the pool size). HTTP handlers talk to it through two channels:
-  - an inbox (`queue.Queue`) of commands: add a request, abort one;
+  - an inbox (`queue.Queue`) of commands: add a request, abort one, take a snapshot (`state`);
   - one `asyncio.Queue` per request, filled from the engine thread with `call_soon_threadsafe`.
 So a slow client never slows a step, and a step never blocks the event loop. When the engine has
 no work the thread sleeps on the inbox; when it has, it drains the inbox between steps.
@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 
 from qwen3_scratch.engine.engine import LLMEngine, StepOutput
+from qwen3_scratch.engine.snapshot import snapshot
 from qwen3_scratch.errors import Qwen3Error
 from qwen3_scratch.sampling.params import SamplingParams
 
@@ -117,6 +118,19 @@ class AsyncEngine:
             if not finished:
                 self.inbox.put(("abort", request_id))
 
+    async def state(self, timeout: float = 30.0) -> dict:
+        """The engine now (engine/snapshot.py) and its output rate, taken on the engine thread between two
+        steps, where nothing moves under it. Waits for the step in progress, at most `timeout` seconds."""
+        if self.fatal is not None or not self.thread.is_alive():
+            raise EngineUnavailable(f"the engine is dead ({self.fatal!r}); the server is restarting")
+        answer = asyncio.get_running_loop().create_future()
+        self.inbox.put(("state", answer))
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            raise EngineUnavailable(f"the engine did not answer within {timeout:g} s: a step that long, "
+                                    "or the engine is stuck") from None  # fmt: skip
+
     async def _next(self, outputs: asyncio.Queue, deadline: float | None):
         if deadline is None:
             return await outputs.get()
@@ -161,6 +175,10 @@ class AsyncEngine:
             self.engine.abort(command[1])
             self.timing.pop(command[1], None)
             return
+        if command[0] == "state":
+            rate = self.metrics.rate(time.monotonic())
+            self._answer(command[1], {**snapshot(self.engine), "tokens_per_second": rate})
+            return
         _, request_id, prompt_ids, params, arrival = command
         if request_id not in self.streams:  # its client left before the engine saw it
             return
@@ -195,6 +213,18 @@ class AsyncEngine:
                 self.metrics.finished(timing[0], timing[1], now, len(out.seq.output_ids))
             self._deliver(out.request_id, out)
         self.metrics.step(self.engine, len(outputs), self.engine.num_preemptions - preempted_before)
+
+    def _answer(self, future: asyncio.Future, value) -> None:
+        """Resolve a handler's future from this thread (unless its handler gave up waiting)."""
+
+        def resolve():
+            if not future.done():
+                future.set_result(value)
+
+        try:
+            future.get_loop().call_soon_threadsafe(resolve)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self.streams.get(request_id)

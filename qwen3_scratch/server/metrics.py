@@ -47,10 +47,14 @@ class ServingMetrics:
         self.preemptions.inc(preempted)
         now = time.monotonic()
         self._recent.append((now, new_tokens))
+        self.tokens_per_second.set(self.rate(now))
+
+    def rate(self, now: float) -> float:
+        """Output tokens per second over the steps of the last window before `now` (0 after a window idle)."""
         while self._recent and self._recent[0][0] < now - self.window:
             self._recent.popleft()
         span = now - self._recent[0][0] if len(self._recent) > 1 else self.window
-        self.tokens_per_second.set(sum(n for _, n in self._recent) / max(span, 1e-9))
+        return sum(n for _, n in self._recent) / max(span, 1e-9)
 
     def refresh(self, engine) -> None:
         """The queue and memory gauges (plain reads of the engine's counters, safe from any thread)."""
