@@ -364,10 +364,31 @@ def test_vllms_prompt_logprobs_come_back_and_refusals_hold_when_streaming(llm, c
     assert scored[0] is None and len(scored) == len(ids)
     for i in range(1, len(ids)):
         assert scored[i][str(ids[i])]["logprob"] == pytest.approx(expected[i - 1, ids[i]].item(), abs=1e-4)
-    for extra in ({"prompt_logprobs": 1}, {"best_of": 3}, {"max_token": 3}):
+    for extra in ({"best_of": 3}, {"max_token": 3}):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True, extra_body=extra)
         assert info.value.param == next(iter(extra))
+
+
+def test_streamed_prompt_logprobs_come_in_each_choices_first_chunk_equal_to_the_whole_answers(llm, client):
+    ids = llm.tokenizer.encode("Hello there friend")
+    ask = dict(model=MODEL, prompt=ids, max_tokens=3, temperature=0, n=2, extra_body={"prompt_logprobs": 2})
+    whole = client.completions.create(**ask)
+    chunks = list(client.completions.create(**ask, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        carrying = [k for k, choice in enumerate(mine) if "prompt_logprobs" in (choice.model_extra or {})]
+        assert carrying == [0], f"choice {index}: prompt_logprobs on chunks {carrying} of {len(mine)}, not the first only"
+        expected = whole.choices[index].model_extra["prompt_logprobs"]
+        assert mine[0].model_extra["prompt_logprobs"] == expected, "the streamed values differ from the whole answer's"
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = dict(model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 1})
+    whole_chat = client.chat.completions.create(**chat)
+    carrying = [c for c in client.chat.completions.create(**chat, stream=True) if "prompt_logprobs" in (c.model_extra or {})]
+    assert len(carrying) == 1, "one chat chunk carries the prompt's logprobs"
+    assert carrying[0].model_extra["prompt_logprobs"] == whole_chat.model_extra["prompt_logprobs"]
+    assert len(whole_chat.model_extra["prompt_logprobs"]) == len(llm.tokenizer.chat_ids(messages))
+
 
 
 def test_llm_takes_structured_outputs_through_sampling_params(llm):

@@ -204,7 +204,8 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     request_id = api.new_id("chatcmpl")
     steps = s.engine.generate(prompt_ids, params, request_id)
     if body.stream:
-        return sse(stream_chat(steps, choices, request_id, s.model_name, len(prompt_ids), body.include_usage))
+        return sse(stream_chat(steps, choices, request_id, s.model_name, len(prompt_ids), body.include_usage,
+                               s.tokenizer))  # fmt: skip
     async for out in steps:
         choices[out.index].push(out)
     response = api.chat_response(request_id, s.model_name, [c.whole() for c in choices],
@@ -249,9 +250,8 @@ def event(body: dict) -> str:
 
 
 async def stream_completion(steps, choices, request_id, model, prompts, include_usage, echo_only):
-    def chunk(choice, text, reason=None, logprobs=None):
-        body = api.completion_choice(choice.index, text, reason, logprobs)
-        return event(api.completion_body(request_id, model, [body], chunk=True))
+    def chunk(choice, seq, text, reason=None, logprobs=None):
+        return event(api.completion_body(request_id, model, [choice.chunk_body(seq, text, reason, logprobs)], chunk=True))
 
     echoed: dict[int, int] = {}  # choice index -> characters of echoed prompt text sent before its own text
     async for p, out in steps:  # leaving this loop early (client gone) closes `steps`, which aborts the request
@@ -259,29 +259,35 @@ async def stream_completion(steps, choices, request_id, model, prompts, include_
         if choice.echo and choice.index not in echoed:
             text, logprobs = choice.prompt_part(out.seq)
             echoed[choice.index] = len(text)
-            yield chunk(choice, text, logprobs=logprobs)
+            yield chunk(choice, out.seq, text, logprobs=logprobs)
         logprobs = choice.push(out, echoed.get(choice.index, 0) + len(choice.text))
         if echo_only:
             if out.finished:
-                yield chunk(choice, "", "length")
+                yield chunk(choice, out.seq, "", "length")
         elif out.new_text or out.finished or logprobs:
-            yield chunk(choice, out.new_text, out.finish_reason, logprobs)
+            yield chunk(choice, out.seq, out.new_text, out.finish_reason, logprobs)
     if include_usage:
         used = completion_usage(prompts, choices, echo_only)
         yield event({**api.completion_body(request_id, model, [], chunk=True), "usage": used})
     yield "data: [DONE]\n\n"
 
 
-async def stream_chat(steps, choices: list[ChatChoice], request_id, model, prompt_tokens, include_usage):
+async def stream_chat(steps, choices: list[ChatChoice], request_id, model, prompt_tokens, include_usage, tokenizer):
     for choice in choices:
         yield event(api.chat_chunk(request_id, model, {"role": "assistant", "content": ""}, index=choice.index))
+    scores_due = True  # vLLM's prompt_logprobs, if asked: on the first chunk the engine's output makes
     async for out in steps:
         choice = choices[out.index]
         logprobs = choice.step_logprobs(out)
-        for j, delta in enumerate(choice.push(out)):
-            yield event(api.chat_chunk(request_id, model, delta, index=choice.index, logprobs=None if j else logprobs))
+        bodies = [api.chat_chunk(request_id, model, delta, index=choice.index, logprobs=None if j else logprobs)
+                  for j, delta in enumerate(choice.push(out))]  # fmt: skip
         if out.finished:
-            yield event(api.chat_chunk(request_id, model, {}, choice.finish_reason, index=choice.index))
+            bodies.append(api.chat_chunk(request_id, model, {}, choice.finish_reason, index=choice.index))
+        if scores_due and bodies and out.seq.params.prompt_logprobs is not None:
+            bodies[0]["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, out.seq.sampling.prompt_logprobs)
+            scores_due = False
+        for body in bodies:
+            yield event(body)
     if include_usage:
         yield event(api.chat_chunk(request_id, model, None, usage_body=chat_usage(prompt_tokens, choices)))
     yield "data: [DONE]\n\n"

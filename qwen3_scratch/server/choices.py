@@ -59,6 +59,14 @@ class CompletionChoice:
         self.index, self.tokenizer, self.prompt_ids = index, tokenizer, prompt_ids
         self.echo, self.logprobs = echo, logprobs
         self.text, self.token_ids, self.scored, self.out = "", [], [], None
+        self.streamed = False  # a stream chunk of this choice was sent (the first carries prompt_logprobs)
+
+    def prompt_scores(self, seq) -> list | None:
+        """vLLM's `prompt_logprobs` extension, when the request asked for it (the prompt is scored whole by
+        the time its first token comes)."""
+        if seq.params.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.tokenizer, seq.sampling.prompt_logprobs)
 
     def prompt_part(self, seq) -> tuple[str, dict | None]:
         """The echoed prompt's text and logprobs (from the engine's prompt scores when asked for)."""
@@ -89,8 +97,16 @@ class CompletionChoice:
             text += self.text
         reason = self.out.finish_reason if keep_generated else "length"
         body = api.completion_choice(self.index, text, reason, logprobs)
-        if self.out.seq.params.prompt_logprobs is not None:  # vLLM's extension, beside OpenAI's fields
-            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, self.out.seq.sampling.prompt_logprobs)
+        if (scores := self.prompt_scores(self.out.seq)) is not None:  # vLLM's extension, beside OpenAI's fields
+            body["prompt_logprobs"] = scores
+        return body
+
+    def chunk_body(self, seq, text: str, reason: str | None = None, logprobs: dict | None = None) -> dict:
+        """One stream chunk's choice; the first one carries prompt_logprobs, as vLLM sends them."""
+        body = api.completion_choice(self.index, text, reason, logprobs)
+        if not self.streamed and (scores := self.prompt_scores(seq)) is not None:
+            body["prompt_logprobs"] = scores
+        self.streamed = True
         return body
 
 
