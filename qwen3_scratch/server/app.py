@@ -45,7 +45,7 @@ from .embeddings import router as embeddings_router
 from .fields import CHAT, CHAT_VLLM, COMPLETIONS, RefusedField
 from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, RequestLimits
 from .logprobs import vllm_prompt_logprobs
-from .structured import chat_structure, from_vllm_fields
+from .structured import after_reasoning, chat_structure, from_vllm_fields
 
 log = logging.getLogger("qwen3_scratch.server")
 
@@ -193,8 +193,10 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     structured = chat_structure(body, s.tokenizer)
     messages = body.chat_messages()
     s.check_chat_size(messages)
-    # A grammar governs every generated token, so a constrained answer is asked for without reasoning first.
-    thinking = body.enable_thinking and structured is None
+    thinking = body.enable_thinking
+    if structured is not None and thinking:
+        structured = after_reasoning(structured, s.tokenizer)
+        thinking = structured.reasoning_end_str is not None  # a tokenizer with no </think>: no reasoning first
     prompt_ids = s.tokenizer.chat_ids(messages, enable_thinking=thinking, tools=body.template_tools())
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # max_tokens None: up to the context, as vLLM does for chat

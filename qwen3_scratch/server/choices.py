@@ -19,7 +19,10 @@ from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 class ChatChoice:
     def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, logprobs: bool):
         self.index, self.tokenizer, self.logprobs = index, tokenizer, logprobs
-        self.parser = StreamParser(tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, tokenizer))
+        # a grammar that starts after </think> makes everything before it reasoning (sampling/after_reasoning.py)
+        spec = params.structured_outputs
+        after_reasoning = spec is not None and spec.reasoning_end_str is not None
+        self.parser = StreamParser(tokenizer, in_reasoning=after_reasoning or prompt_opens_thinking(prompt_ids, tokenizer))
         self.shown = AnswerStop(params.stop, params.min_tokens)  # the answer as its stop strings cut it
         self.calls, self.out, self.scored = 0, None, []
 
