@@ -358,6 +358,15 @@ def test_with_thinking_on_the_reasoning_is_free_and_the_grammar_starts_after_the
     assert out.token_ids[budget] == end, "the budget did not force </think>"
     answer = llm.tokenizer.decode(out.token_ids[budget + 1 :], skip_special_tokens=True)
     assert out.finish_reason == "stop" and valid_under_schema(answer), answer
+    # LLM.chat (thinking on by default) reads it the same way: the free tokens are the reasoning
+    reply = llm.chat([{"role": "user", "content": "JSON please"}], _params(temperature=0, max_tokens=80,
+                     structured_outputs=spec))[0].outputs[0]  # fmt: skip
+    assert reply.token_ids == out.token_ids and reply.message["content"] == answer, reply.message
+    assert reply.message["reasoning_content"] == llm.tokenizer.decode(free, skip_special_tokens=True).strip("\n")
+    plain = StructuredOutputsParams(json=SCHEMA)  # LLM.chat itself starts it after </think>, thinking on
+    short = llm.chat([{"role": "user", "content": "JSON please"}], _params(temperature=0, max_tokens=budget,
+                     structured_outputs=plain))[0].outputs[0]  # fmt: skip
+    assert short.token_ids == free, "LLM.chat with thinking on constrained the reasoning"
 
 
 def test_a_chat_with_thinking_on_reasons_freely_then_answers_under_the_grammar(llm, client):
