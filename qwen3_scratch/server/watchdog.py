@@ -10,8 +10,9 @@ exits for a supervisor to restart it. The hung thread itself cannot be stopped f
 daemon thread and dies with the process.
 
 The bound is generous by default (DEFAULT_STEP_TIMEOUT): one step is at most one prompt chunk of
---max-num-batched-tokens plus one decode token per running request, which takes well under a minute
-even for an 8B model in float32 on 2 CPU cores; a bound too tight would kill a healthy server.
+--max-num-batched-tokens plus one decode token per running request; 512 tokens through an 8B model are
+~8 TFLOP, ~20 s at the float32 peak of 2 AVX-512 cores, and 300 s leaves an order of magnitude more,
+because a bound too tight kills a healthy server (docs/performance.md, issue 32).
 
 A hang that holds the GIL (a C extension spinning without releasing it) stops this thread too, and
 is not caught here.
