@@ -381,8 +381,9 @@ def test_a_chat_with_thinking_on_reasons_freely_then_answers_under_the_grammar(l
     reasoning = constrained.choices[0].message.model_extra["reasoning_content"]
     assert reasoning == free.choices[0].message.content and not reasoning.startswith("{"), (reasoning, free)
     assert constrained.choices[0].message.content == "" and constrained.choices[0].finish_reason == "length"
+    end_think = str(llm.tokenizer.token_to_id("</think>"))
     end = client.chat.completions.create(**{**ask, "max_tokens": 60}, response_format=schema_format,
-                                         logit_bias={str(llm.tokenizer.token_to_id("</think>")): 100})  # ends the reasoning at once  # fmt: skip
+                                         logit_bias={end_think: 100})  # ends the reasoning at once  # fmt: skip
     message = end.choices[0].message
     assert end.choices[0].finish_reason == "stop" and valid_under_schema(message.content), end
     assert message.model_extra["reasoning_content"] == "", "the reasoning it ended at once is there, empty"
@@ -437,13 +438,14 @@ def test_streamed_prompt_logprobs_come_in_each_choices_first_chunk_equal_to_the_
     for index in (0, 1):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
         carrying = [k for k, choice in enumerate(mine) if "prompt_logprobs" in (choice.model_extra or {})]
-        assert carrying == [0], f"choice {index}: prompt_logprobs on chunks {carrying} of {len(mine)}, not the first only"
+        assert carrying == [0], f"choice {index}: prompt_logprobs on chunks {carrying} of {len(mine)}, not the first"
         expected = whole.choices[index].model_extra["prompt_logprobs"]
         assert mine[0].model_extra["prompt_logprobs"] == expected, "the streamed values differ from the whole answer's"
     messages = [{"role": "user", "content": "Hello there"}]
     chat = dict(model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 1})
     whole_chat = client.chat.completions.create(**chat)
-    carrying = [c for c in client.chat.completions.create(**chat, stream=True) if "prompt_logprobs" in (c.model_extra or {})]
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    carrying = [c for c in chunks if "prompt_logprobs" in (c.model_extra or {})]
     assert len(carrying) == 1, "one chat chunk carries the prompt's logprobs"
     assert carrying[0].model_extra["prompt_logprobs"] == whole_chat.model_extra["prompt_logprobs"]
     assert len(whole_chat.model_extra["prompt_logprobs"]) == len(llm.tokenizer.chat_ids(messages))

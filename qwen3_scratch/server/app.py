@@ -253,7 +253,8 @@ def event(body: dict) -> str:
 
 async def stream_completion(steps, choices, request_id, model, prompts, include_usage, echo_only):
     def chunk(choice, seq, text, reason=None, logprobs=None):
-        return event(api.completion_body(request_id, model, [choice.chunk_body(seq, text, reason, logprobs)], chunk=True))
+        body = choice.chunk_body(seq, text, reason, logprobs)
+        return event(api.completion_body(request_id, model, [body], chunk=True))
 
     echoed: dict[int, int] = {}  # choice index -> characters of echoed prompt text sent before its own text
     async for p, out in steps:  # leaving this loop early (client gone) closes `steps`, which aborts the request

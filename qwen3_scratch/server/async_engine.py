@@ -66,7 +66,7 @@ class AsyncEngine:
                  on_fatal=None, step_timeout: float | None = DEFAULT_STEP_TIMEOUT):  # fmt: skip
         self.engine, self.metrics = engine, metrics or ServingMetrics()
         self.request_timeout = request_timeout  # seconds from arrival to the last token, or None: no deadline
-        self.on_fatal = on_fatal  # called (from the engine or the watchdog thread) with the error that killed the engine
+        self.on_fatal = on_fatal  # called (on the engine's or the watchdog's thread) with what killed the engine
         self.fatal: BaseException | None = None
         self._dying = threading.Lock()  # the engine dies once, whether its step raised or hung
         self.watchdog = StepWatchdog(step_timeout, self._die)  # step_timeout None: steps are not timed

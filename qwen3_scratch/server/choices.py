@@ -22,7 +22,8 @@ class ChatChoice:
         # a grammar that starts after </think> makes everything before it reasoning (sampling/after_reasoning.py)
         spec = params.structured_outputs
         after_reasoning = spec is not None and spec.reasoning_end_str is not None
-        self.parser = StreamParser(tokenizer, in_reasoning=after_reasoning or prompt_opens_thinking(prompt_ids, tokenizer))
+        in_reasoning = after_reasoning or prompt_opens_thinking(prompt_ids, tokenizer)
+        self.parser = StreamParser(tokenizer, in_reasoning=in_reasoning)
         self.shown = AnswerStop(params.stop, params.min_tokens)  # the answer as its stop strings cut it
         self.calls, self.out, self.scored = 0, None, []
 
