@@ -263,6 +263,8 @@ def test_min_tokens_holds_back_stop_strings_in_completions_whole_and_streamed(ll
 
 
 # -- structured output on random weights -----------------------------------------------------------
+# A random model never ends its reasoning, so these ask with thinking off (NO_THINKING): with it on, the
+# grammar starts only after </think> (the tests after these).
 
 
 class City(BaseModel):
@@ -275,7 +277,7 @@ def test_parse_with_a_pydantic_model_returns_a_valid_instance_on_random_weights(
     for seed in range(3):
         completion = client.chat.completions.parse(
             model=MODEL, messages=[{"role": "user", "content": "A city, as JSON."}], response_format=City,
-            max_tokens=80, temperature=1.0, seed=seed)  # fmt: skip
+            max_tokens=80, temperature=1.0, seed=seed, extra_body=NO_THINKING)  # fmt: skip
         assert completion.choices[0].finish_reason == "stop", completion.choices[0].message.content
         assert isinstance(completion.choices[0].message.parsed, City)
 
@@ -291,7 +293,7 @@ def test_json_object_and_a_json_schema_stream_valid_json(llm, client):
     for response_format, bias in cases:
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
                                                 response_format=response_format, max_tokens=60, temperature=0,
-                                                logit_bias=bias, stream=True)  # fmt: skip
+                                                logit_bias=bias, stream=True, extra_body=NO_THINKING)  # fmt: skip
         chunks = [c.choices[0] for c in stream if c.choices]
         text = "".join(c.delta.content or "" for c in chunks)
         assert chunks[-1].finish_reason == "stop", text
@@ -313,13 +315,15 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 def test_forced_tool_choice_makes_valid_calls_on_random_weights(client):
     messages = [{"role": "user", "content": "Add 2 and 3."}]
     named = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=60, temperature=0,
-                                           tool_choice={"type": "function", "function": {"name": "add"}})  # fmt: skip
+                                           tool_choice={"type": "function", "function": {"name": "add"}},
+                                           extra_body=NO_THINKING)  # fmt: skip
     (call,) = named.choices[0].message.tool_calls
     arguments = json.loads(call.function.arguments)
     assert call.function.name == "add" and set(arguments) == {"a", "b"}
     assert named.choices[0].finish_reason == "tool_calls"
     required = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=120,
-                                              temperature=1.0, seed=2, tool_choice="required")  # fmt: skip
+                                              temperature=1.0, seed=2, tool_choice="required",
+                                              extra_body=NO_THINKING)  # fmt: skip
     calls = required.choices[0].message.tool_calls
     assert calls and all(c.function.name in ("get_weather", "add") for c in calls)
     assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
@@ -327,6 +331,62 @@ def test_forced_tool_choice_makes_valid_calls_on_random_weights(client):
         client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})  # fmt: skip
     assert info.value.param == "tool_choice"
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+
+
+def valid_under_schema(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] <= 9
+
+
+def test_with_thinking_on_the_reasoning_is_free_and_the_grammar_starts_after_the_end_tag(llm):
+    """Engine level, greedy: the tokens before </think> are exactly the unconstrained ones, the budget forces
+    </think>, and what follows it is valid under the schema."""
+    from qwen3_scratch import StructuredOutputsParams
+
+    end = llm.tokenizer.token_to_id("</think>")
+    prompt = llm.tokenizer.chat_ids([{"role": "user", "content": "JSON please"}], enable_thinking=True)
+    budget = 7
+    free = llm.generate([prompt], _params(temperature=0, max_tokens=budget))[0].outputs[0].token_ids
+    spec = StructuredOutputsParams(json=SCHEMA, reasoning_end_str="</think>", thinking_token_budget=budget)
+    out = llm.generate([prompt], _params(temperature=0, max_tokens=80, structured_outputs=spec))[0].outputs[0]
+    assert end not in free, "this test wants a model that does not end its reasoning by itself"
+    assert out.token_ids[:budget] == free, "the reasoning under a grammar differs from the unconstrained one"
+    assert out.token_ids[budget] == end, "the budget did not force </think>"
+    answer = llm.tokenizer.decode(out.token_ids[budget + 1 :], skip_special_tokens=True)
+    assert out.finish_reason == "stop" and valid_under_schema(answer), answer
+    # LLM.chat (thinking on by default) reads it the same way: the free tokens are the reasoning
+    reply = llm.chat([{"role": "user", "content": "JSON please"}], _params(temperature=0, max_tokens=80,
+                     structured_outputs=spec))[0].outputs[0]  # fmt: skip
+    assert reply.token_ids == out.token_ids and reply.message["content"] == answer, reply.message
+    assert reply.message["reasoning_content"] == llm.tokenizer.decode(free, skip_special_tokens=True).strip("\n")
+    plain = StructuredOutputsParams(json=SCHEMA)  # LLM.chat itself starts it after </think>, thinking on
+    short = llm.chat([{"role": "user", "content": "JSON please"}], _params(temperature=0, max_tokens=budget,
+                     structured_outputs=plain))[0].outputs[0]  # fmt: skip
+    assert short.token_ids == free, "LLM.chat with thinking on constrained the reasoning"
+
+
+def test_a_chat_with_thinking_on_reasons_freely_then_answers_under_the_grammar(llm, client):
+    messages = [{"role": "user", "content": "JSON please"}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    ask = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    free = client.chat.completions.create(**ask)
+    constrained = client.chat.completions.create(**ask, response_format=schema_format)
+    assert constrained.usage.prompt_tokens == free.usage.prompt_tokens, "the prompt was rendered with thinking on"
+    # The random model never writes </think>: its 8 tokens are all free reasoning, the very text of the unconstrained
+    # reply (under the grammar from the first token it would have had to start with "{").
+    reasoning = constrained.choices[0].message.model_extra["reasoning_content"]
+    assert reasoning == free.choices[0].message.content and not reasoning.startswith("{"), (reasoning, free)
+    assert constrained.choices[0].message.content == "" and constrained.choices[0].finish_reason == "length"
+    end_think = str(llm.tokenizer.token_to_id("</think>"))
+    end = client.chat.completions.create(**{**ask, "max_tokens": 60}, response_format=schema_format,
+                                         logit_bias={end_think: 100})  # ends the reasoning at once  # fmt: skip
+    message = end.choices[0].message
+    assert end.choices[0].finish_reason == "stop" and valid_under_schema(message.content), end
+    assert message.model_extra["reasoning_content"] == "", "the reasoning it ended at once is there, empty"
 
 
 def test_vllm_structured_outputs_choice_and_regex(client):
@@ -364,10 +424,32 @@ def test_vllms_prompt_logprobs_come_back_and_refusals_hold_when_streaming(llm, c
     assert scored[0] is None and len(scored) == len(ids)
     for i in range(1, len(ids)):
         assert scored[i][str(ids[i])]["logprob"] == pytest.approx(expected[i - 1, ids[i]].item(), abs=1e-4)
-    for extra in ({"prompt_logprobs": 1}, {"best_of": 3}, {"max_token": 3}):
+    for extra in ({"best_of": 3}, {"max_token": 3}):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True, extra_body=extra)
         assert info.value.param == next(iter(extra))
+
+
+def test_streamed_prompt_logprobs_come_in_each_choices_first_chunk_equal_to_the_whole_answers(llm, client):
+    ids = llm.tokenizer.encode("Hello there friend")
+    ask = dict(model=MODEL, prompt=ids, max_tokens=3, temperature=0, n=2, extra_body={"prompt_logprobs": 2})
+    whole = client.completions.create(**ask)
+    chunks = list(client.completions.create(**ask, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        carrying = [k for k, choice in enumerate(mine) if "prompt_logprobs" in (choice.model_extra or {})]
+        assert carrying == [0], f"choice {index}: prompt_logprobs on chunks {carrying} of {len(mine)}, not the first"
+        expected = whole.choices[index].model_extra["prompt_logprobs"]
+        assert mine[0].model_extra["prompt_logprobs"] == expected, "the streamed values differ from the whole answer's"
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = dict(model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 1})
+    whole_chat = client.chat.completions.create(**chat)
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    carrying = [c for c in chunks if "prompt_logprobs" in (c.model_extra or {})]
+    assert len(carrying) == 1, "one chat chunk carries the prompt's logprobs"
+    assert carrying[0].model_extra["prompt_logprobs"] == whole_chat.model_extra["prompt_logprobs"]
+    assert len(whole_chat.model_extra["prompt_logprobs"]) == len(llm.tokenizer.chat_ids(messages))
+
 
 
 def test_llm_takes_structured_outputs_through_sampling_params(llm):

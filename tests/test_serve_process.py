@@ -1,5 +1,6 @@
 """`qwen3-serve` as a process, the way a supervisor sees it: SIGTERM drains it and it exits 0; when
-its engine dies, requests fail at once with 503 and it exits 1, to be restarted (server/process.py).
+its engine dies (a step raises, or hangs past --step-timeout), the requests in it fail at once with 500
+and it exits 1, to be restarted (server/process.py).
 
 Each test starts the real command on a free port (scripts/server_process.py's start_server) over a
 tiny checkpoint.
@@ -28,6 +29,22 @@ def broken(self):
         raise RuntimeError("injected: the scheduler broke")
     return schedule(self)
 Scheduler.schedule = broken
+from qwen3_scratch.cli.serve import main
+sys.exit(main(sys.argv[1:]))
+"""]
+
+HANG = [8, 8, 8]
+# The command with a hang planted: the forward blocks forever once a request whose prompt starts with
+# HANG is in the batch, as a deadlocked collective or a wedged device would.
+HUNG_SERVE = [sys.executable, "-c", f"""
+import sys, threading
+from qwen3_scratch.engine.model_runner import ModelRunner
+run = ModelRunner.run
+def hung(self, batch):
+    if any(chunk.seq.token_ids[:3] == {HANG} for chunk in batch.decodes + batch.prefills):
+        threading.Event().wait()
+    return run(self, batch)
+ModelRunner.run = hung
 from qwen3_scratch.cli.serve import main
 sys.exit(main(sys.argv[1:]))
 """]
@@ -84,10 +101,25 @@ def test_a_dead_engine_fails_requests_at_once_and_the_process_exits_1(checkpoint
     try:
         killer = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": POISON, "max_tokens": 2},
                             headers=AUTH, timeout=1)  # fmt: skip
-        assert killer.status_code == 503 and killer.json()["error"]["code"] == "engine_unavailable", killer.text
+        assert killer.status_code == 500 and killer.json()["error"]["code"] == "engine_dead", killer.text
         status = process.wait(timeout=30)
     finally:
         process.kill()
     stderr = process.stderr.read()
     assert status == 1, f"exit status {status}, not 1: a supervisor would not restart it. {stderr[-2000:]}"
     assert "the engine died" in stderr and "injected: the scheduler broke" in stderr
+
+
+def test_a_step_that_hangs_past_the_step_timeout_fails_its_requests_and_the_process_exits_1(checkpoint):
+    flags = ["--served-model-name", "m", "--step-timeout", "1"]
+    process, url = start_server(checkpoint, flags, API_KEY, serve=HUNG_SERVE)
+    try:
+        hung = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": HANG, "max_tokens": 2},
+                          headers=AUTH, timeout=30)  # fmt: skip
+        assert hung.status_code == 500 and hung.json()["error"]["code"] == "engine_dead", hung.text
+        status = process.wait(timeout=30)
+    finally:
+        process.kill()
+    stderr = process.stderr.read()
+    assert status == 1, f"exit status {status}, not 1: a supervisor would not restart it. {stderr[-2000:]}"
+    assert "--step-timeout" in stderr and ", in hung" in stderr, f"the log says it hung, and where: {stderr[-3000:]}"

@@ -3,7 +3,8 @@
 Every case issue 20 found against the server is here, sent the way a client sends it (httpx, raw
 sockets for slow clients), against a real uvicorn server on a thread; after each, the server still
 answers a normal request and /health tells the truth. Engine faults are injected by FaultyRunner
-(tests/live_server.py): the forward raises for requests whose prompt starts with POISON.
+(tests/live_server.py): the forward raises for requests whose prompt starts with POISON, and blocks
+(a step that hangs) for those starting with HANG.
 """
 
 import asyncio
@@ -15,7 +16,7 @@ import time
 import httpx
 import pytest
 import torch
-from live_server import API_KEY, MODEL, POISON, all_blocks_free, live_server, nothing_held, wait_until
+from live_server import API_KEY, HANG, MODEL, POISON, all_blocks_free, live_server, nothing_held, wait_until
 from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch.generation.loops import generate_tokens
@@ -276,7 +277,7 @@ def test_a_client_that_drops_mid_stream_frees_its_blocks(served):
     assert_still_serving(url)
 
 
-# -- a dead engine: 503 at once, /health says so ---------------------------------------------------
+# -- a dead engine: 500 for the requests in it, 503 for new ones, /health says so -------------------
 
 
 def test_a_dead_engine_fails_requests_in_flight_and_new_ones_at_once_and_health_turns_503(checkpoint):
@@ -296,9 +297,9 @@ def test_a_dead_engine_fails_requests_in_flight_and_new_ones_at_once_and_health_
             lines = in_flight.iter_lines()
             assert next(lines).startswith("data: ")
             killer = post(url, "/v1/completions", {"model": MODEL, "prompt": POISON, "max_tokens": 2})
-            assert killer.status_code == 503, killer.text
+            assert killer.status_code == 500 and killer.json()["error"]["code"] == "engine_dead", killer.text
             rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and "engine_unavailable" in rest[-2], "the stream in flight ends with 503"
+        assert rest[-1] == "data: [DONE]" and "engine_dead" in rest[-2], "the stream in flight ends with the error"
         # on_fatal runs after the streams are told (in production it ends the process), so it may lag them
         assert wait_until(lambda: told), "on_fatal ran (the process would exit 1)"
         assert len(told) == 1 and "scheduler broke" in str(told[0])
@@ -307,6 +308,42 @@ def test_a_dead_engine_fails_requests_in_flight_and_new_ones_at_once_and_health_
         for stream in (False, True):
             response = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": stream}, timeout=1)
             assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_a_step_that_hangs_fails_running_and_waiting_requests_with_500_and_health_turns_503(checkpoint):
+    with live_server(checkpoint, step_timeout=0.5) as (llm, engine, url):
+        told = []
+        engine.on_fatal = told.append
+        runner = llm.engine.runner  # FaultyRunner: a forward with a HANG request blocks until released
+        try:
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=30) as in_flight:
+                lines = in_flight.iter_lines()
+                assert next(lines).startswith("data: ")
+
+                async def hang_then_wait():  # the hanging request, then one that waits behind the stuck step
+                    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=30) as client:
+                        hanging = asyncio.create_task(client.post("/v1/completions", json={
+                            "model": MODEL, "prompt": HANG, "max_tokens": 2}))  # fmt: skip
+                        assert await asyncio.to_thread(runner.hung.wait, 30), "the step began to hang"
+                        waiting = await client.post("/v1/chat/completions", json=chat())
+                        return await hanging, waiting
+
+                started = time.monotonic()
+                hanging, waiting = asyncio.run(hang_then_wait())
+                rest = [line for line in lines if line]
+            for response in (hanging, waiting):
+                assert response.status_code == 500 and response.json()["error"]["code"] == "engine_dead", response.text
+            assert rest[-1] == "data: [DONE]" and "engine_dead" in rest[-2], "the stream in flight ends with the error"
+            assert time.monotonic() - started < 20, "the requests were failed by the watchdog, not by a client timeout"
+            assert len(told) == 1 and "--step-timeout" in str(told[0]), told
+            assert "hang_then_wait" not in str(told[0]) and "release.wait" in str(told[0]), "it names where it hangs"
+            health = httpx.get(f"{url}/health", timeout=1)
+            assert health.status_code == 503 and health.json() == {"status": "dead"}
+            response = post(url, "/v1/chat/completions", chat(), timeout=1)
+            assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
+        finally:
+            runner.release.set()  # let the stuck thread end with the test
 
 
 def test_after_every_hostile_request_above_nothing_is_held(served):

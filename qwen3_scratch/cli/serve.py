@@ -4,8 +4,8 @@ Loads the checkpoint (LLM), starts the engine thread (AsyncEngine), serves the F
 (server/app.py) with uvicorn on 127.0.0.1:8000 unless told otherwise. An embedding checkpoint
 (Qwen3-Embedding) is served at /v1/embeddings instead. Each flag maps to one parameter.
 Like the other commands: bad input is one line on stderr and exit 2, Ctrl-C exits 130, quietly.
-SIGTERM drains the server and exits 0; a dead engine exits 1, for a supervisor to restart it
-(server/process.py).
+SIGTERM drains the server and exits 0; a dead engine (a step that raised, or ran past --step-timeout)
+exits 1, for a supervisor to restart it (server/process.py).
 """
 
 import argparse
@@ -13,6 +13,7 @@ import sys
 
 from qwen3_scratch.errors import Qwen3Error
 from qwen3_scratch.server.limits import BODY_TIMEOUT, MAX_BODY_BYTES  # plain numbers: no FastAPI needed yet
+from qwen3_scratch.server.watchdog import DEFAULT_STEP_TIMEOUT
 
 from .flags import OneLineParser, check_quantize_flags, model_flags, quantize_flags, run_cli
 
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens computed per step at most (default %(default)s)")  # fmt: skip
     p.add_argument("--request-timeout", type=float,
                    help="seconds a request may take, arrival to last token; later it is aborted with 504 (default: none)")  # fmt: skip
+    p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
+                   help="seconds one engine step may run; a step still running then means the engine hung: every "
+                        "request fails, /health turns 503 and the server exits 1 (default %(default)s)")  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="largest request body; larger ones get 413 unread (default %(default)s)")  # fmt: skip
     p.add_argument("--read-timeout", type=float, default=BODY_TIMEOUT,
@@ -51,7 +55,7 @@ def load(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise Qwen3Error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    for flag in ("request_timeout", "read_timeout", "shutdown_grace"):
+    for flag in ("request_timeout", "read_timeout", "shutdown_grace", "step_timeout"):
         value = getattr(args, flag)
         if value is not None and not 0 < value < float("inf"):
             raise Qwen3Error(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value}")
@@ -84,7 +88,7 @@ def serve(args: argparse.Namespace) -> int:
     blocks = llm.engine.blocks
     print(f"KV pool: {blocks.num_blocks} blocks x {blocks.block_size} tokens = {blocks.num_blocks * blocks.block_size} "
           f"token slots (context {llm.engine.context})", file=sys.stderr)  # fmt: skip
-    engine = AsyncEngine(llm.engine, request_timeout=args.request_timeout).start()
+    engine = AsyncEngine(llm.engine, request_timeout=args.request_timeout, step_timeout=args.step_timeout).start()
     app = build_app(engine, llm.tokenizer, args.served_model_name or args.model, llm.get_default_sampling_params(),
                     api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout=args.read_timeout)  # fmt: skip
     try:

@@ -105,7 +105,7 @@ class LLMEngine:
             seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, max_tokens, eos, generator,
                            index=index, after=choices[0] if choices else None)  # fmt: skip
             state = sampler.SamplingState(processing if processing.active else None)
-            state.matcher = self.grammars.matcher(grammar) if grammar is not None else None
+            state.matcher = self.grammars.matcher(grammar, params.structured_outputs) if grammar is not None else None
             seq.sampling = state
             if self.tokenizer is not None:
                 self.texts[(request_id, index)] = TextState(self.tokenizer, params.stop, params.skip_special_tokens,

@@ -14,7 +14,7 @@ request leaves unset take the checkpoint's defaults (sampling/params.py), as on 
 """
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from qwen3_scratch.checkpoint.hub import resolve_checkpoint
 from qwen3_scratch.checkpoint.placement import pick_device, pick_dtype
@@ -24,7 +24,7 @@ from qwen3_scratch.model.kv_cache import kv_cache_bytes
 from qwen3_scratch.parallel.model import load_parallel_model
 from qwen3_scratch.sampling.defaults import load_generation_config, stop_token_ids
 from qwen3_scratch.sampling.params import SamplingParams
-from qwen3_scratch.text.chat_parser import prompt_opens_thinking
+from qwen3_scratch.text.chat_parser import END_THINK, prompt_opens_thinking
 from qwen3_scratch.text.stop import AnswerStop
 from qwen3_scratch.text.tokenizer import Tokenizer
 
@@ -169,15 +169,26 @@ class LLM:
                                     tools=tools)  # fmt: skip
             for m in conversations
         ]
-        outputs = self._run([(None, ids) for ids in prompts], sampling_params)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(outputs)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if enable_thinking:
+            params = [self._grammar_after_reasoning(p) for p in params]
+        outputs = self._run([(None, ids) for ids in prompts], params)
         for out, p in zip(outputs, params):
-            thinking = prompt_opens_thinking(out.prompt_token_ids, self.tokenizer)
+            after = p is not None and p.structured_outputs is not None and p.structured_outputs.reasoning_end_str
+            thinking = bool(after) or prompt_opens_thinking(out.prompt_token_ids, self.tokenizer)
             for completion in out.outputs:
                 # the answer ends before a stop string
                 completion.message = AnswerStop.reply(self.tokenizer, completion.token_ids, thinking,
                                                       p.stop if p else [], p.min_tokens if p else 0)  # fmt: skip
         return outputs
+
+    def _grammar_after_reasoning(self, params: SamplingParams | None) -> SamplingParams | None:
+        """A chat that thinks first: its grammar, if any, starts after </think> (sampling/after_reasoning.py),
+        as the server's does."""
+        spec = params.structured_outputs if params is not None else None
+        if spec is None or spec.reasoning_end_str is not None or self.tokenizer.token_to_id(END_THINK) is None:
+            return params
+        return replace(params, structured_outputs=replace(spec, reasoning_end_str=END_THINK))
 
     def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:
         if self.engine is None:

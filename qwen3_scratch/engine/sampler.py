@@ -17,6 +17,7 @@ import torch
 from qwen3_scratch.sampling.logits import filter_logits
 from qwen3_scratch.sampling.logprobs import TokenLogprob, score_tokens
 from qwen3_scratch.sampling.processors import LogitsProcessing, process_logits
+from qwen3_scratch.sampling.after_reasoning import GrammarAfterReasoning
 from qwen3_scratch.sampling.structured import Matcher, apply_bitmask
 
 from .scheduler import Sequence
@@ -27,7 +28,7 @@ class SamplingState:
     """A sequence's sampling state beyond its generator: kept on `Sequence.sampling`."""
 
     processing: LogitsProcessing | None = None  # None: the request changes no logit
-    matcher: Matcher | None = None  # its place in the grammar, for structured output
+    matcher: Matcher | GrammarAfterReasoning | None = None  # its place in the grammar, for structured output
     prompt_seen: torch.Tensor | None = None  # (V,) bool, ids in the prompt (for the repetition penalty)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per prompt token, if asked
@@ -42,8 +43,9 @@ def processed_row(seq: Sequence, row: torch.Tensor) -> torch.Tensor:
     """One sequence's logits (V,) after its grammar mask and its logit processing."""
     state = seq.sampling
     logits = row.float()[None]  # (1, V)
-    if state.matcher is not None:
-        logits = apply_bitmask(logits, state.matcher.bitmask()[None])
+    mask = state.matcher.bitmask() if state.matcher is not None else None  # None: free (still reasoning)
+    if mask is not None:
+        logits = apply_bitmask(logits, mask[None])
     if state.processing is not None:
         outputs = torch.tensor([seq.output_ids], device=row.device, dtype=torch.long).reshape(1, -1)  # (1, N)
         if state.prompt_seen is None and state.processing.needs_prompt:

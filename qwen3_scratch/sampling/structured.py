@@ -25,6 +25,8 @@ import torch
 
 from qwen3_scratch.errors import GenerationError, printable
 
+from .after_reasoning import GrammarAfterReasoning
+
 MAX_SPEC_BYTES = 256 * 1024  # a schema or grammar's size: bounded compile work whatever the request
 
 
@@ -37,6 +39,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # a Lark grammar in llguidance's dialect (`start:` rule; %json{...} embeds a schema)
     json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+    # Where the grammar starts (after_reasoning.py): after this tag, one token of the tokenizer (Qwen3's
+    # "</think>"), the tokens before it free; None: from the first token. vLLM's reasoning_end_str.
+    reasoning_end_str: str | None = None
+    thinking_token_budget: int | None = None  # then the tag is forced after this many free tokens (vLLM's name)
 
     def kinds(self) -> list[str]:
         kinds = ("json", "regex", "choice", "grammar", "json_object")
@@ -58,6 +64,11 @@ def check_structured_outputs(value, label: str = "structured_outputs") -> None:
             raise GenerationError(f"{label}.{kind} must be a string")
     if value.json is not None and not isinstance(value.json, (dict, str)):
         raise GenerationError(f"{label}.json must be a JSON schema (an object or its text)")
+    if value.reasoning_end_str is not None and not isinstance(value.reasoning_end_str, str):
+        raise GenerationError(f"{label}.reasoning_end_str must be a string (a tag such as '</think>')")
+    budget = value.thinking_token_budget
+    if budget is not None and (value.reasoning_end_str is None or type(budget) is not int or budget < 0):
+        raise GenerationError(f"{label}.thinking_token_budget must be an integer >= 0, with reasoning_end_str")
     if len(to_lark_or_schema_text(value)) > MAX_SPEC_BYTES:
         raise GenerationError(f"{label} is larger than {MAX_SPEC_BYTES // 1024} KiB; send a smaller schema or grammar")
 
@@ -89,6 +100,8 @@ class GrammarCompiler:
         self.ll = llguidance
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
         self.vocab_size = vocab_size
+        # the tags a grammar may start after (reasoning_end_str) are whole tokens: "</think>" -> 151668
+        self.added = {t["content"]: t["id"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
 
     def grammar(self, spec: StructuredOutputsParams, label: str = "structured_outputs") -> str:
         """The llguidance grammar for spec; GenerationError naming label if it is not a valid one."""
@@ -108,10 +121,17 @@ class GrammarCompiler:
         problem = Matcher.validate_grammar(grammar, self.tokenizer)
         if problem and not problem.startswith("WARNING"):
             raise GenerationError(f"{label} is not a valid {spec.kinds()[0]}: {printable(problem, 300)}")
+        if spec.reasoning_end_str is not None and spec.reasoning_end_str not in self.added:
+            raise GenerationError(f"{label}.reasoning_end_str {printable(repr(spec.reasoning_end_str), 40)} is not "
+                                  "one token of this tokenizer; send a tag such as '</think>'")  # fmt: skip
         return grammar
 
-    def matcher(self, grammar: str) -> "Matcher":
-        return Matcher(self.ll.LLMatcher(self.tokenizer, grammar, log_level=0), self.vocab_size)
+    def matcher(self, grammar: str, spec: StructuredOutputsParams | None = None):
+        """A sequence's Matcher over grammar; after spec's reasoning_end_str, if it has one (after_reasoning.py)."""
+        matcher = Matcher(self.ll.LLMatcher(self.tokenizer, grammar, log_level=0), self.vocab_size)
+        if spec is None or spec.reasoning_end_str is None:
+            return matcher
+        return GrammarAfterReasoning(matcher, self.added[spec.reasoning_end_str], spec.thinking_token_budget)
 
 
 class Matcher:

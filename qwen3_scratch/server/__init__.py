@@ -1,6 +1,7 @@
 """OpenAI's HTTP API over the engine: FastAPI routes, the engine's thread, Prometheus metrics.
 
 async_engine.py (the engine on its own thread, fed by asyncio handlers; its faults as HTTP statuses),
+watchdog.py (a step that hangs kills the engine),
 protocol.py (OpenAI's request and response bodies), messages.py (the shapes of chat messages and tools),
 fields.py (every OpenAI request field: implemented, accepted or refused), app.py (the routes: JSON ->
 engine -> JSON or server-sent events), choices.py (a response's n choices, whole or streamed),

@@ -48,7 +48,7 @@ from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, RequestLimits
 from .page import STATE_PATH
 from .page import router as page_router
 from .logprobs import vllm_prompt_logprobs
-from .structured import chat_structure, from_vllm_fields
+from .structured import after_reasoning, chat_structure, from_vllm_fields
 
 log = logging.getLogger("qwen3_scratch.server")
 
@@ -199,8 +199,10 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     structured = chat_structure(body, s.tokenizer)
     messages = body.chat_messages()
     s.check_chat_size(messages)
-    # A grammar governs every generated token, so a constrained answer is asked for without reasoning first.
-    thinking = body.enable_thinking and structured is None
+    thinking = body.enable_thinking
+    if structured is not None and thinking:
+        structured = after_reasoning(structured, s.tokenizer)
+        thinking = structured.reasoning_end_str is not None  # a tokenizer with no </think>: no reasoning first
     prompt_ids = s.tokenizer.chat_ids(messages, enable_thinking=thinking, tools=body.template_tools())
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # max_tokens None: up to the context, as vLLM does for chat
@@ -210,7 +212,8 @@ async def chat_completions(body: api.ChatCompletionRequest, request: Request):
     request_id = api.new_id("chatcmpl")
     steps = s.engine.generate(prompt_ids, params, request_id)
     if body.stream:
-        return sse(stream_chat(steps, choices, request_id, s.model_name, len(prompt_ids), body.include_usage))
+        return sse(stream_chat(steps, choices, request_id, s.model_name, len(prompt_ids), body.include_usage,
+                               s.tokenizer))  # fmt: skip
     async for out in steps:
         choices[out.index].push(out)
     response = api.chat_response(request_id, s.model_name, [c.whole() for c in choices],
@@ -255,8 +258,8 @@ def event(body: dict) -> str:
 
 
 async def stream_completion(steps, choices, request_id, model, prompts, include_usage, echo_only):
-    def chunk(choice, text, reason=None, logprobs=None):
-        body = api.completion_choice(choice.index, text, reason, logprobs)
+    def chunk(choice, seq, text, reason=None, logprobs=None):
+        body = choice.chunk_body(seq, text, reason, logprobs)
         return event(api.completion_body(request_id, model, [body], chunk=True))
 
     echoed: dict[int, int] = {}  # choice index -> characters of echoed prompt text sent before its own text
@@ -265,29 +268,35 @@ async def stream_completion(steps, choices, request_id, model, prompts, include_
         if choice.echo and choice.index not in echoed:
             text, logprobs = choice.prompt_part(out.seq)
             echoed[choice.index] = len(text)
-            yield chunk(choice, text, logprobs=logprobs)
+            yield chunk(choice, out.seq, text, logprobs=logprobs)
         logprobs = choice.push(out, echoed.get(choice.index, 0) + len(choice.text))
         if echo_only:
             if out.finished:
-                yield chunk(choice, "", "length")
+                yield chunk(choice, out.seq, "", "length")
         elif out.new_text or out.finished or logprobs:
-            yield chunk(choice, out.new_text, out.finish_reason, logprobs)
+            yield chunk(choice, out.seq, out.new_text, out.finish_reason, logprobs)
     if include_usage:
         used = completion_usage(prompts, choices, echo_only)
         yield event({**api.completion_body(request_id, model, [], chunk=True), "usage": used})
     yield "data: [DONE]\n\n"
 
 
-async def stream_chat(steps, choices: list[ChatChoice], request_id, model, prompt_tokens, include_usage):
+async def stream_chat(steps, choices: list[ChatChoice], request_id, model, prompt_tokens, include_usage, tokenizer):
     for choice in choices:
         yield event(api.chat_chunk(request_id, model, {"role": "assistant", "content": ""}, index=choice.index))
+    scores_due = True  # vLLM's prompt_logprobs, if asked: on the first chunk the engine's output makes
     async for out in steps:
         choice = choices[out.index]
         logprobs = choice.step_logprobs(out)
-        for j, delta in enumerate(choice.push(out)):
-            yield event(api.chat_chunk(request_id, model, delta, index=choice.index, logprobs=None if j else logprobs))
+        bodies = [api.chat_chunk(request_id, model, delta, index=choice.index, logprobs=None if j else logprobs)
+                  for j, delta in enumerate(choice.push(out))]  # fmt: skip
         if out.finished:
-            yield event(api.chat_chunk(request_id, model, {}, choice.finish_reason, index=choice.index))
+            bodies.append(api.chat_chunk(request_id, model, {}, choice.finish_reason, index=choice.index))
+        if scores_due and bodies and out.seq.params.prompt_logprobs is not None:
+            bodies[0]["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, out.seq.sampling.prompt_logprobs)
+            scores_due = False
+        for body in bodies:
+            yield event(body)
     if include_usage:
         yield event(api.chat_chunk(request_id, model, None, usage_body=chat_usage(prompt_tokens, choices)))
     yield "data: [DONE]\n\n"

@@ -8,11 +8,13 @@ So a slow client never slows a step, and a step never blocks the event loop. Whe
 no work the thread sleeps on the inbox; when it has, it drains the inbox between steps.
 
 Faults: a request the engine fails alone (engine/faults.py) raises RequestFailed in its handler only
-(HTTP 500, its id in the log). Anything that escapes a step kills the engine: every request in flight
-and every new one raises EngineUnavailable at once (HTTP 503), `alive` turns false (so does /health)
-and `on_fatal` runs (the server process then exits non-zero, for a supervisor to restart it). While
-the server drains for shutdown, new requests get EngineUnavailable too. A request that runs past
-`request_timeout` seconds is aborted and raises RequestTimedOut (HTTP 504).
+(HTTP 500, its id in the log). Anything that escapes a step kills the engine, and so does a step that
+runs past `step_timeout` seconds without returning (watchdog.py): every request in flight, waiting
+ones included, raises EngineDied at once (HTTP 500, as vLLM answers its EngineDeadError; a stream
+ends with that error event), every new one EngineUnavailable (HTTP 503), `alive` turns false (so
+does /health) and `on_fatal` runs (the server process then exits non-zero, for a supervisor to
+restart it). While the server drains for shutdown, new requests get EngineUnavailable too. A request
+that runs past `request_timeout` seconds is aborted and raises RequestTimedOut (HTTP 504).
 """
 
 import asyncio
@@ -29,6 +31,7 @@ from qwen3_scratch.errors import Qwen3Error
 from qwen3_scratch.sampling.params import SamplingParams
 
 from .metrics import ServingMetrics
+from .watchdog import DEFAULT_STEP_TIMEOUT, StepWatchdog
 
 log = logging.getLogger("qwen3_scratch.server")
 
@@ -49,17 +52,25 @@ class EngineUnavailable(ServingFault):
     status, type, code = 503, "service_unavailable", "engine_unavailable"
 
 
+class EngineDied(ServingFault):
+    """The engine died with this request in it: nothing more will come for it on this server."""
+
+    code = "engine_dead"
+
+
 class RequestTimedOut(ServingFault):
     status, type, code = 504, "timeout", "request_timeout"
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None, request_timeout: float | None = None,
-                 on_fatal=None):  # fmt: skip
+                 on_fatal=None, step_timeout: float | None = DEFAULT_STEP_TIMEOUT):  # fmt: skip
         self.engine, self.metrics = engine, metrics or ServingMetrics()
         self.request_timeout = request_timeout  # seconds from arrival to the last token, or None: no deadline
-        self.on_fatal = on_fatal  # called (from the engine thread) with the error that killed the engine
+        self.on_fatal = on_fatal  # called (on the engine's or the watchdog's thread) with what killed the engine
         self.fatal: BaseException | None = None
+        self._dying = threading.Lock()  # the engine dies once, whether its step raised or hung
+        self.watchdog = StepWatchdog(step_timeout, self._die)  # step_timeout None: steps are not timed
         self.draining = False  # set at shutdown: requests in flight finish, new ones are refused
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -70,12 +81,15 @@ class AsyncEngine:
 
     def start(self) -> "AsyncEngine":
         self.thread.start()
+        self.watchdog.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self.inbox.put(None)  # wake the thread if it sleeps on the inbox
-        self.thread.join()
+        self.watchdog.stop()
+        # a thread stuck in a hung step never returns: it is a daemon, and ends with the process
+        self.thread.join(timeout=None if self.fatal is None else 1.0)
 
     @property
     def alive(self) -> bool:
@@ -144,7 +158,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self.fatal is None:
                 self._drain(wait=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._step()
@@ -152,10 +166,15 @@ class AsyncEngine:
             self._die(error)
 
     def _die(self, error: BaseException) -> None:
+        """From the engine thread (a step raised) or the watchdog's (a step hung); only the first death counts."""
+        with self._dying:
+            if self.fatal is not None:
+                return
+            self.fatal = error  # from here on new requests are refused (_check_available)
         log.critical("the engine died; failing every request in flight", exc_info=error)
-        self.fatal = error
-        for request_id in list(self.streams):
-            self._deliver(request_id, EngineUnavailable(f"the engine died while serving this request ({error!r})"))
+        message = f"the engine died while serving this request ({type(error).__name__}); the server is restarting"
+        for request_id in list(self.streams):  # those in the engine and those still in the inbox
+            self._deliver(request_id, EngineDied(message))
         if self.on_fatal is not None:
             self.on_fatal(error)
 
@@ -197,7 +216,10 @@ class AsyncEngine:
 
     def _step(self) -> None:
         preempted_before = self.engine.num_preemptions
-        outputs = self.engine.step()  # raises only when the engine cannot go on (_run)
+        with self.watchdog:  # timed: a step that never returns kills the engine from the watchdog's thread
+            outputs = self.engine.step()  # raises only when the engine cannot go on (_run)
+        if self.fatal is not None:  # it returned after all, too late: its requests were failed
+            return
         now = time.monotonic()
         for out in outputs:
             if out.error is not None:  # failed alone; the engine logged it under its id

@@ -19,7 +19,11 @@ from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 class ChatChoice:
     def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, logprobs: bool):
         self.index, self.tokenizer, self.logprobs = index, tokenizer, logprobs
-        self.parser = StreamParser(tokenizer, in_reasoning=prompt_opens_thinking(prompt_ids, tokenizer))
+        # a grammar that starts after </think> makes everything before it reasoning (sampling/after_reasoning.py)
+        spec = params.structured_outputs
+        after_reasoning = spec is not None and spec.reasoning_end_str is not None
+        in_reasoning = after_reasoning or prompt_opens_thinking(prompt_ids, tokenizer)
+        self.parser = StreamParser(tokenizer, in_reasoning=in_reasoning)
         self.shown = AnswerStop(params.stop, params.min_tokens)  # the answer as its stop strings cut it
         self.calls, self.out, self.scored = 0, None, []
 
@@ -59,6 +63,14 @@ class CompletionChoice:
         self.index, self.tokenizer, self.prompt_ids = index, tokenizer, prompt_ids
         self.echo, self.logprobs = echo, logprobs
         self.text, self.token_ids, self.scored, self.out = "", [], [], None
+        self.streamed = False  # a stream chunk of this choice was sent (the first carries prompt_logprobs)
+
+    def prompt_scores(self, seq) -> list | None:
+        """vLLM's `prompt_logprobs` extension, when the request asked for it (the prompt is scored whole by
+        the time its first token comes)."""
+        if seq.params.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.tokenizer, seq.sampling.prompt_logprobs)
 
     def prompt_part(self, seq) -> tuple[str, dict | None]:
         """The echoed prompt's text and logprobs (from the engine's prompt scores when asked for)."""
@@ -89,8 +101,16 @@ class CompletionChoice:
             text += self.text
         reason = self.out.finish_reason if keep_generated else "length"
         body = api.completion_choice(self.index, text, reason, logprobs)
-        if self.out.seq.params.prompt_logprobs is not None:  # vLLM's extension, beside OpenAI's fields
-            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, self.out.seq.sampling.prompt_logprobs)
+        if (scores := self.prompt_scores(self.out.seq)) is not None:  # vLLM's extension, beside OpenAI's fields
+            body["prompt_logprobs"] = scores
+        return body
+
+    def chunk_body(self, seq, text: str, reason: str | None = None, logprobs: dict | None = None) -> dict:
+        """One stream chunk's choice; the first one carries prompt_logprobs, as vLLM sends them."""
+        body = api.completion_choice(self.index, text, reason, logprobs)
+        if not self.streamed and (scores := self.prompt_scores(seq)) is not None:
+            body["prompt_logprobs"] = scores
+        self.streamed = True
         return body
 
 

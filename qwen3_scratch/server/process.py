@@ -10,8 +10,9 @@
 - SIGTERM drains the server: new requests get 503 and /health turns 503, requests in flight run to
   their end for up to `shutdown_grace` seconds, the rest are then aborted (their blocks freed), and
   the process exits 0. Ctrl-C does the same and exits 130, like the other commands.
-- A dead engine (async_engine.py) stops the server at once, every request in flight already failed
-  with 503, and the process exits 1, for a supervisor (systemd, Kubernetes) to restart it.
+- A dead engine (async_engine.py: a step raised, or hung past --step-timeout) stops the server at once,
+  every request in flight already failed with 500, and the process exits 1, for a supervisor (systemd,
+  Kubernetes) to restart it. A hung engine thread is a daemon: it does not hold the exit up.
 """
 
 import logging
@@ -96,7 +97,7 @@ def serve(app, engine: AsyncEngine, host: str, port: int, read_timeout: float, s
                             timeout_graceful_shutdown=shutdown_grace)  # fmt: skip
     server = DrainingServer(config, engine)
 
-    def engine_died(error: BaseException) -> None:  # on the engine's thread
+    def engine_died(error: BaseException) -> None:  # on the engine's thread, or the watchdog's
         log.critical("the engine died (%r): stopping the server, exit status %d", error, EXIT_ENGINE_DIED)
         server.should_exit = True
 

@@ -58,9 +58,6 @@ class SamplingFields(BaseModel):
     def check_fields(self, route: str) -> None:
         """Refuse (400, naming it) a field this server does not implement, or does not know."""
         check_request_fields(self.model_dump(exclude_unset=True), route)
-        if self.stream and self.prompt_logprobs is not None:
-            raise RefusedField("prompt_logprobs", "prompt_logprobs is returned whole only: send it without stream "
-                                                  "(or use echo with logprobs on /v1/completions, which streams)")  # fmt: skip
 
     def params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None = None,
                prompt_logprobs: int | None = None,

@@ -158,8 +158,8 @@ def events(chunk: type[BaseModel]) -> dict:
     return {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}
 
 
-# 400 bad value, 401 key, 404 model, 408 slow body, 413 big body, 422 bad shape, 500 a fault of this request's,
-# 503 engine dead or shutting down, 504 past --request-timeout
+# 400 bad value, 401 key, 404 model, 408 slow body, 413 big body, 422 bad shape, 500 a fault of this request's
+# or the engine died with it inside, 503 engine dead or shutting down, 504 past --request-timeout
 GENERATION_ERRORS = errors(400, 401, 404, 408, 413, 422, 500, 503, 504)
 CHAT_RESPONSES = {200: {"model": ChatCompletion, "content": events(ChatCompletionChunk)}, **GENERATION_ERRORS}
 COMPLETION_RESPONSES = {200: {"model": Completion, "content": events(CompletionChunk)}, **GENERATION_ERRORS}

@@ -10,12 +10,15 @@
   - vLLM's `structured_outputs` {"json" | "regex" | "choice" | "grammar" | "json_object": ...} and its
     older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 Each becomes one `StructuredOutputsParams` (sampling/structured.py). A request may ask for one of them.
+In a chat with thinking on, the grammar starts after `</think>` (sampling/after_reasoning.py), as with
+vLLM's reasoning parser: the model reasons freely, then answers under the grammar.
 """
 
 import json
+from dataclasses import replace
 
 from qwen3_scratch.sampling.structured import StructuredOutputsParams, lark_string
-from qwen3_scratch.text.chat_parser import END_TOOL_CALL, TOOL_CALL
+from qwen3_scratch.text.chat_parser import END_THINK, END_TOOL_CALL, TOOL_CALL
 from qwen3_scratch.text.tokenizer import Tokenizer
 
 from .fields import RefusedField
@@ -108,3 +111,10 @@ def chat_structure(body, tokenizer: Tokenizer) -> StructuredOutputsParams | None
     if len(asked) > 1:
         raise RefusedField(asked[1][0], f"{asked[1][0]} and {asked[0][0]} both constrain the output; send one")
     return asked[0][1] if asked else None
+
+
+def after_reasoning(spec: StructuredOutputsParams, tokenizer: Tokenizer) -> StructuredOutputsParams:
+    """spec, starting after the reasoning's `</think>`; unchanged for a tokenizer that has no such token."""
+    if tokenizer.token_to_id(END_THINK) is None:
+        return spec
+    return replace(spec, reasoning_end_str=END_THINK)

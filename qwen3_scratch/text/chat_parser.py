@@ -117,6 +117,8 @@ class StreamParser:
             if token_id == self.ids[END_THINK]:
                 self.state = "content"
                 return self._deltas("reasoning", self.reasoning.close())
+            if token_id == self.ids[THINK] and self.reasoning_tokens == 1:
+                return []  # the model opens the reasoning it was started in: the tag is format, not text
             return [] if token_id in self.special else self._deltas("reasoning", self.reasoning.push(token_id))
         if self.state == "tool_call":
             if token_id == self.ids[END_TOOL_CALL]:
