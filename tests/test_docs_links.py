@@ -68,6 +68,10 @@ def script_flags(path: Path) -> frozenset[str]:
     """The options a script's argparse parser takes, read from its `add_argument` calls (and --help)."""
     flags = {"--help"}
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        # a script that wraps one of our commands (`from qwen3_scratch.cli.serve import main`) takes its flags too
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qwen3_scratch.cli."):
+            if node.module.rsplit(".", 1)[1] in COMMANDS and any(a.name == "main" for a in node.names):
+                flags.update(cli_flags(node.module.rsplit(".", 1)[1]))
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
             names = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
             flags.update(names)

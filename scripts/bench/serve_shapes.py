@@ -11,6 +11,7 @@ grow with these numbers, and the resident memory with them (docs/performance.md,
 how to see that bucketing the shapes bounds them.
 """
 
+import argparse
 import json
 import sys
 import threading
@@ -56,10 +57,10 @@ def write_every(path: str, seconds: float = 5.0) -> None:
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    at = argv.index("--shapes-out")
-    path = argv[at + 1]
-    del argv[at : at + 2]
+    own = argparse.ArgumentParser(description="qwen3-serve, counting the shapes its model runs", add_help=False)
+    own.add_argument("--shapes-out", required=True, help="where the counts go (JSON, every 5 s and at exit)")
+    args, argv = own.parse_known_args(sys.argv[1:])
+    path = args.shapes_out
     count_shapes()
     threading.Thread(target=write_every, args=(path,), daemon=True).start()
     try:
