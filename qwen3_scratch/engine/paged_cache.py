@@ -46,13 +46,16 @@ class PagedKVCache:
                  in_place: bool | None = None):  # fmt: skip
         """in_place: decode batches attend in the pool (None: wherever paged_attention supports it)."""
         self.num_blocks, self.block_size = num_blocks, block_size
+        # One block more than the block manager hands out: the scratch block, where the pad rows of a padded
+        # decode batch (batch.py) write and read, so that padding never touches a sequence's keys.
+        self.scratch_block = num_blocks
         K, D = config.num_key_value_heads, config.head_dim
-        shape = (config.num_hidden_layers, K, num_blocks * block_size, D)
+        shape = (config.num_hidden_layers, K, (num_blocks + 1) * block_size, D)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
         self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
-        # Each layer's pool seen as blocks, (K, num_blocks, block_size, D): views made once, not per step.
-        self.key_blocks = [layer.view(K, num_blocks, block_size, D) for layer in self.keys]
-        self.value_blocks = [layer.view(K, num_blocks, block_size, D) for layer in self.values]
+        # Each layer's pool seen as blocks, (K, num_blocks + 1, block_size, D): views made once, not per step.
+        self.key_blocks = [layer.view(K, num_blocks + 1, block_size, D) for layer in self.keys]
+        self.value_blocks = [layer.view(K, num_blocks + 1, block_size, D) for layer in self.values]
         if in_place is None:
             in_place = paged_attention.supported(config, device, dtype)
         self.in_place = in_place
