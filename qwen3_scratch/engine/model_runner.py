@@ -60,6 +60,11 @@ class ModelRunner:
                 out[id(chunk.seq)] = rows[-1]
         return out
 
+    def decode(self, chunks: list) -> torch.Tensor:
+        """A step of decode chunks alone -> logits (B, V) in their order (what the decode benchmarks time)."""
+        logits = self.run(ScheduledBatch(decodes=chunks))
+        return torch.stack([logits[id(chunk.seq)] for chunk in chunks])
+
     def forward(self, packed: PackedBatch) -> torch.Tensor:
         """The logits (M, V) of the packed step's tokens at packed.logits_at."""
         self.num_forwards += 1
