@@ -9,11 +9,12 @@ import pytest
 import torch
 from make_tiny_checkpoint import make_tiny_checkpoint
 
-from qwen3_scratch import load_model
+from qwen3_scratch import GenerationError, load_model
 from qwen3_scratch.engine.batch import decode_padded, pack
 from qwen3_scratch.engine.block_manager import BlockManager
 from qwen3_scratch.engine.cuda_graphs import bucket_for, buckets_up_to
 from qwen3_scratch.engine.engine import LLMEngine
+from qwen3_scratch.engine.llm import gpu_kv_memory_gib
 from qwen3_scratch.engine.model_runner import ModelRunner
 from qwen3_scratch.engine.packed_view import PackedView
 from qwen3_scratch.engine.paged_cache import PagedKVCache
@@ -195,6 +196,17 @@ def test_the_flex_block_mask_reads_the_buffers_a_graph_refreshes(model):
     mask = flex.block_mask
     assert mask.kv_indices.data_ptr() == flex.kv[1].data_ptr(), "refresh must rewrite what the mask reads"
     assert mask.full_kv_indices.data_ptr() == flex.kv[3].data_ptr()
+
+
+def test_the_gpu_kv_pool_takes_what_the_memory_utilization_leaves(model, monkeypatch):
+    GIB = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GIB, 80 * GIB))  # 20 GiB in use
+    c = model.config
+    step = 512 * (3 * c.intermediate_size * 4 + c.vocab_size * 4) / GIB  # one step's widest activations, fp32
+    got = gpu_kv_memory_gib(c, "cuda", 0.9, 512, 4)
+    assert got == pytest.approx(0.9 * 80 - 20 - 2 * step), "90% of the card, less what is used and the activations"
+    with pytest.raises(GenerationError, match="gpu_memory_utilization=0.2"):
+        gpu_kv_memory_gib(c, "cuda", 0.2, 512, 4)  # 16 GiB allowed, 20 already used
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

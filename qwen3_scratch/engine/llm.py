@@ -97,7 +97,7 @@ def gpu_kv_memory_gib(config, device, utilization: float, max_num_batched_tokens
     budget = utilization * total - (total - free) - 2 * activations
     if budget <= 0:
         raise GenerationError(f"no GPU memory left for the KV pool at gpu_memory_utilization={utilization} "
-                              f"({free / GIB:.1f} GiB free of {total / GIB:.1f}); raise it or free the GPU")  # fmt: skip
+                              f"({free / GIB:.1f} GiB free of {total / GIB:.1f}); raise it or free the GPU")
     return budget / GIB
 
 
@@ -146,8 +146,9 @@ class LLM:
             if kv_cache_memory_gib is None:
                 kv_cache_memory_gib = 1.0
                 if self.model.device.type == "cuda":
-                    kv_cache_memory_gib = gpu_kv_memory_gib(self.model.config, self.model.device, gpu_memory_utilization,
-                                                            max_num_batched_tokens, dtype_bytes)  # fmt: skip
+                    kv_cache_memory_gib = gpu_kv_memory_gib(self.model.config, self.model.device,
+                                                            gpu_memory_utilization, max_num_batched_tokens,
+                                                            dtype_bytes)  # fmt: skip
             num_blocks = default_num_blocks(self.model.config, dtype_bytes, block_size, kv_cache_memory_gib, max_num_seqs)
         self.engine = LLMEngine(
             self.model, self.tokenizer, self.eos_ids, num_blocks, block_size, max_num_seqs, max_num_batched_tokens

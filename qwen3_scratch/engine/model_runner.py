@@ -38,7 +38,9 @@ class ModelRunner:
         self.route = route or ("reference" if not isinstance(model, Qwen3) else "flex" if cuda else "paged")
         self.buckets = buckets_up_to(max_rows)
         use_graphs = (cuda if graphs is None else graphs) and self.route != "reference"
-        self.graphs = DecodeGraphs(self._forward, self._view, self._pad_rows, self.buckets, cuda) if use_graphs else None
+        self.graphs = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self._forward, self._view, self._pad_rows, self.buckets, cuda)
         self.prompt_logits: dict[int, torch.Tensor] = {}  # the last run's, see run()
         self.num_forwards = 0
 
@@ -71,7 +73,8 @@ class ModelRunner:
         if self.route == "reference":
             blocks, mask = reference_inputs(packed, self.cache.block_size)
             view = PagedView(self.cache, packed.slots[None], blocks)
-            return self.model(packed.input_ids, packed.positions, mask, view, packed.slots, logits_at=packed.logits_at)[0]
+            return self.model(packed.input_ids, packed.positions, mask, view, packed.slots,
+                              logits_at=packed.logits_at)[0]  # fmt: skip
         if packed.num_decodes < packed.num_rows:
             return self._forward(packed, self._view(packed))
         if self.graphs is not None:
