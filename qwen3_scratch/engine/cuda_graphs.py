@@ -75,7 +75,7 @@ class DecodeGraphs:
         self.copy_in(static, batch)
         graph.replay()
         self.replays += 1
-        return logits[: batch.num_rows]
+        return logits[: batch.num_rows].clone()  # the next replay overwrites the graph's output
 
     def copy_in(self, static: PackedBatch, batch: PackedBatch) -> None:
         """Real rows into the static buffers; the rows after them back to padding (the pad template's values)."""

@@ -36,8 +36,8 @@ def attention_fn(device: torch.device):
     global _compiled
     if device.type != "cuda":
         return flex_attention
-    if _compiled is None:
-        _compiled = torch.compile(flex_attention, dynamic=False)
+    if _compiled is None:  # a step's token count changes every step: after the first shape, compiled dynamic
+        _compiled = torch.compile(flex_attention)
     return _compiled
 
 
