@@ -28,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="(default %(default)s)")
     p.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1 routes (default: none)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="memory for the paged KV pool (default %(default)s)")
+    p.add_argument("--kv-cache-memory-gib", type=float,
+                   help="memory for the paged KV pool (default: 1 on a CPU; on a GPU what --gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory weights, activations and KV pool may use, as vLLM's (default %(default)s)")
     p.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: from --kv-cache-memory-gib)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most (default %(default)s)")
@@ -55,6 +58,8 @@ def load(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise Qwen3Error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise Qwen3Error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     for flag in ("request_timeout", "read_timeout", "shutdown_grace", "step_timeout"):
         value = getattr(args, flag)
         if value is not None and not 0 < value < float("inf"):
@@ -64,7 +69,8 @@ def load(args: argparse.Namespace):
     return LLM(args.model, weights_dir=args.weights_dir, local_files_only=args.local_files_only, device=args.device,
                dtype=args.dtype, revision=args.revision, verify=args.verify, quantize=args.quantize,
                quantize_group_size=args.quantize_group_size,
-               kv_cache_memory_gib=args.kv_cache_memory_gib, num_blocks=args.num_blocks, block_size=args.block_size,
+               kv_cache_memory_gib=args.kv_cache_memory_gib, gpu_memory_utilization=args.gpu_memory_utilization,
+               num_blocks=args.num_blocks, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
 

@@ -1,9 +1,11 @@
 """The engine and `LLM`: many requests at once, continuous batching over a paged, prefix-cached KV pool.
 
-block_manager.py (blocks, reference counts, the prefix cache), paged_cache.py (the pool and the views
-the model's attention reads through), paged_attention.py (a decode batch's attention over its blocks
-in place, compiled), scheduler.py (`Sequence`, `Scheduler`: one step's work), model_runner.py (one
-step -> forwards -> logits), sampler.py (each sequence's next token: grammar mask, logit processing,
+block_manager.py (blocks, reference counts, the prefix cache), paged_cache.py (the pool and its gathering
+view), scheduler.py (`Sequence`, `Scheduler`: one step's work), batch.py (a step's chunks packed into one
+(1, N) varlen forward), packed_view.py (attention over the packed rows: decodes in place via
+paged_attention.py on a CPU, FlexAttention over the pool via flex_paged.py on a GPU, the gathered reference),
+cuda_graphs.py (decode steps padded to batch-size buckets, replayed from CUDA graphs), model_runner.py (one
+step -> one forward -> logits), sampler.py (each sequence's next token: grammar mask, logit processing,
 draw, logprobs), engine.py (`LLMEngine`: add, step, sample, retire), faults.py (a fault fails its own
 request, or the engine when shared state broke), embedder.py (Qwen3-Embedding: texts -> last-token,
 L2-normalised vectors), snapshot.py (the engine at one instant as plain data: its queues and the pool

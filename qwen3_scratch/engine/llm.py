@@ -16,6 +16,8 @@ request leaves unset take the checkpoint's defaults (sampling/params.py), as on 
 import itertools
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from qwen3_scratch.checkpoint.hub import resolve_checkpoint
 from qwen3_scratch.checkpoint.placement import pick_device, pick_dtype
 from qwen3_scratch.checkpoint.weights import load_model
@@ -84,6 +86,21 @@ def default_num_blocks(config, dtype_bytes: int, block_size: int, memory_gib: fl
     return max(1, min(by_memory, by_use))
 
 
+def gpu_kv_memory_gib(config, device, utilization: float, max_num_batched_tokens: int, dtype_bytes: int) -> float:
+    """GiB for the KV pool on a GPU, vLLM's rule: the pool takes what is left of `utilization` x the card
+    once the weights (already loaded) and anything else on it are counted, less room for one step's activations
+    (its widest tensors: the MLP's gate/up/product over the step's tokens, and fp32 logits of as many rows)."""
+    if not 0 < utilization <= 1:
+        raise GenerationError(f"gpu_memory_utilization must be in (0, 1], not {utilization}")
+    free, total = torch.cuda.mem_get_info(device)
+    activations = max_num_batched_tokens * (3 * config.intermediate_size * dtype_bytes + config.vocab_size * 4)
+    budget = utilization * total - (total - free) - 2 * activations
+    if budget <= 0:
+        raise GenerationError(f"no GPU memory left for the KV pool at gpu_memory_utilization={utilization} "
+                              f"({free / GIB:.1f} GiB free of {total / GIB:.1f}); raise it or free the GPU")
+    return budget / GIB
+
+
 class LLM:
     def __init__(
         self,
@@ -97,7 +114,8 @@ class LLM:
         dtype: str = "auto",
         quantize: str | None = None,
         quantize_group_size: int | None = None,
-        kv_cache_memory_gib: float = 1.0,
+        kv_cache_memory_gib: float | None = None,
+        gpu_memory_utilization: float = 0.9,
         num_blocks: int | None = None,
         block_size: int = 16,
         max_num_seqs: int = 64,
@@ -123,8 +141,14 @@ class LLM:
         self.engine: LLMEngine | None = None
         if self.model.lm_head is None:  # an embedding checkpoint (Qwen3-Embedding): embed() only, no KV pool
             return
-        if num_blocks is None:
+        if num_blocks is None:  # kv_cache_memory_gib, else on a GPU what gpu_memory_utilization leaves, else 1 GiB
             dtype_bytes = self.model.activation_dtype.itemsize
+            if kv_cache_memory_gib is None:
+                kv_cache_memory_gib = 1.0
+                if self.model.device.type == "cuda":
+                    kv_cache_memory_gib = gpu_kv_memory_gib(self.model.config, self.model.device,
+                                                            gpu_memory_utilization, max_num_batched_tokens,
+                                                            dtype_bytes)  # fmt: skip
             num_blocks = default_num_blocks(self.model.config, dtype_bytes, block_size, kv_cache_memory_gib, max_num_seqs)
         self.engine = LLMEngine(
             self.model, self.tokenizer, self.eos_ids, num_blocks, block_size, max_num_seqs, max_num_batched_tokens

@@ -1,86 +1,101 @@
-"""One scheduled step -> the model's forward passes -> next-token logits per sequence.
+"""One scheduled step -> one forward of the model -> next-token logits per sequence.
 
-The runner turns the scheduler's chunks into the tensors `Qwen3.forward` takes: token ids, RoPE
-positions, an attention mask, and a `PagedView` of the pool as the cache. The model is the same
-one the simple loops use; it never learns that its cache is paged.
+The runner packs the step's chunks, decodes and prompt chunks alike, into one (1, N) sequence of tokens
+(batch.py), hands the model their ids, positions and a `PackedView` of the paged pool as its cache
+(packed_view.py), and asks for the logits of each row's last token (or of every prompt token, for a
+request that scores its prompt). The model is the same one the simple loops use; it never learns that
+its cache is paged, or that its batch of one is many sequences.
 
-One step is at most 1 + P forwards:
-  - all decodes together: (B, 1) tokens, each row attending over its own keys, read in place through
-    its block table (on a CPU; elsewhere gathered), the tables right-padded to the longest row (the
-    mask hides the padding);
-  - each prompt chunk alone: (1, T) tokens attending over its cached prefix, gathered, and itself, causally.
-Putting a chunk of T tokens in the decode batch would pad every decode row to T tokens.
+Attention routes (packed_view.py): "paged" on a CPU (decodes read in place, each prompt chunk over its
+gathered blocks), "flex" on a GPU (one FlexAttention call over the pool in place), and the reference, one
+gathered row under a block-diagonal mask, for a tensor-parallel model (its workers rebuild plain views).
 
-Shapes: B rows, T tokens per row, S keys per row, V vocab, bs block_size.
+Decode steps (every row one token) are padded up to a bucket of rows (cuda_graphs.py), so that only a
+few shapes ever run; on a GPU each bucket's forward is a CUDA graph, captured on first use and replayed.
+
+Shapes: N tokens in the step, R rows, M tokens whose logits are kept, V vocab.
 """
 
 import torch
 
 from qwen3_scratch.model.qwen3 import Qwen3
 
-from .paged_cache import PagedKVCache
-from .scheduler import Chunk, ScheduledBatch
+from .batch import PackedBatch, decode_padded, pack
+from .cuda_graphs import DecodeGraphs, bucket_for, buckets_up_to
+from .packed_view import PackedView, reference_inputs
+from .paged_cache import PagedKVCache, PagedView
+from .scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3, cache: PagedKVCache):
+    def __init__(self, model: Qwen3, cache: PagedKVCache, route: str | None = None, graphs: bool | None = None,
+                 max_rows: int = 64):  # fmt: skip
+        """route: "paged", "flex" or "reference" (default: by device and model, as above). graphs: decode steps
+        replay bucket graphs (default: on a GPU; on a CPU the same code replays the eager forward)."""
         self.model, self.cache = model, cache
         self.device = model.device
+        cuda = self.device.type == "cuda"
+        self.route = route or ("reference" if not isinstance(model, Qwen3) else "flex" if cuda else "paged")
+        self.buckets = buckets_up_to(max_rows)
+        use_graphs = (cuda if graphs is None else graphs) and self.route != "reference"
+        self.graphs = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self._forward, self._view, self._pad_rows, self.buckets, cuda)
         self.prompt_logits: dict[int, torch.Tensor] = {}  # the last run's, see run()
+        self.num_forwards = 0
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
-        """Run every chunk; returns {id(seq): logits (V,)} for the chunks that end at their newest token."""
-        logits: dict[int, torch.Tensor] = {}
-        if batch.decodes:
-            rows = self.decode(batch.decodes)  # (B, V)
-            logits.update((id(chunk.seq), row) for chunk, row in zip(batch.decodes, rows))
-        self.prompt_logits = {}  # {id(seq): (T, V)} for the chunks of requests that score their prompt
-        for chunk in batch.prefills:
-            rows = self.prefill(chunk)  # (T, V) for a request scoring its prompt, else (1, V)
-            if chunk.seq.wants_prompt_logprobs:
+        """Run every chunk in one forward; returns {id(seq): logits (V,)} for the chunks that end at their
+        newest token, and keeps {id(seq): (T, V)} in prompt_logits for those that score their prompt."""
+        chunks = batch.decodes + batch.prefills
+        scoring = {id(c.seq) for c in batch.prefills if c.seq.wants_prompt_logprobs}
+        packed = pack(chunks, self.cache.block_size, self.cache.scratch_block, self.device, scoring)
+        logits = self.forward(packed)  # (M, V)
+        self.prompt_logits, out, i = {}, {}, 0
+        for chunk in chunks:
+            n = chunk.end - chunk.start if id(chunk.seq) in scoring else 1
+            rows, i = logits[i : i + n], i + n
+            if id(chunk.seq) in scoring:
                 self.prompt_logits[id(chunk.seq)] = rows
             if chunk.samples:
-                logits[id(chunk.seq)] = rows[-1]
-        return logits
+                out[id(chunk.seq)] = rows[-1]
+        return out
 
-    def decode(self, chunks: list[Chunk]) -> torch.Tensor:
-        """The newest token of every row at once -> logits (B, V)."""
-        lengths = [chunk.end for chunk in chunks]  # keys per row, the new token's included
-        tables = self.block_tables([c.seq.block_table for c in chunks], max(lengths))  # (B, W)
-        # Attend over every slot of the tables' blocks (S = W x block_size), the padding masked: gathered
-        # keys then reach attention whole, with no slice, and in place the mask is one flag per slot.
-        S = tables.shape[1] * self.cache.block_size
-        tokens = torch.tensor([[c.seq.token_ids[c.start]] for c in chunks], device=self.device)  # (B, 1)
-        positions = torch.tensor([[c.start] for c in chunks], device=self.device)  # (B, 1)
-        write = self.slots(tables, positions)  # (B, 1): the new token's own slot
-        keys = torch.arange(S, device=self.device)
-        valid = keys[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # (B, S)
-        mask = valid[:, None, None, :]  # (B, 1, 1, S): a row sees its own keys, not the padding
-        view = self.cache.decode_view(write, tables)
-        return self.model(tokens, positions, mask, view, write, last_only=True)[:, -1]  # (B, V)
+    def decode(self, chunks: list) -> torch.Tensor:
+        """A step of decode chunks alone -> logits (B, V) in their order (what the decode benchmarks time)."""
+        logits = self.run(ScheduledBatch(decodes=chunks))
+        return torch.stack([logits[id(chunk.seq)] for chunk in chunks])
 
-    def prefill(self, chunk: Chunk) -> torch.Tensor:
-        """Tokens [start, end) of one sequence, after its cached prefix [0, start) -> logits (1, V) of the last,
-        or (T, V) of every position when its request scores the prompt."""
-        seq, start, end = chunk.seq, chunk.start, chunk.end
-        tokens = torch.tensor([seq.token_ids[start:end]], device=self.device)  # (1, T)
-        positions = torch.arange(start, end, device=self.device)[None, :]  # (1, T)
-        tables = self.block_tables([seq.block_table], end)  # (1, W)
-        write = self.slots(tables, positions)  # (1, T)
-        keys = torch.arange(end, device=self.device)  # S = end: the prefix and this chunk
-        mask = (keys[None, :] <= positions[0, :, None])[None, None]  # (1, 1, T, S): causal, prefix included
-        view = self.cache.view(write, tables)
-        last_only = not seq.wants_prompt_logprobs
-        return self.model(tokens, positions, mask, view, write, last_only=last_only)[0]  # (1, V) or (T, V)
+    def forward(self, packed: PackedBatch) -> torch.Tensor:
+        """The logits (M, V) of the packed step's tokens at packed.logits_at."""
+        self.num_forwards += 1
+        if self.route == "reference":
+            blocks, mask = reference_inputs(packed, self.cache.block_size)
+            view = PagedView(self.cache, packed.slots[None], blocks)
+            return self.model(packed.input_ids, packed.positions, mask, view, packed.slots,
+                              logits_at=packed.logits_at)[0]  # fmt: skip
+        if packed.num_decodes < packed.num_rows:
+            return self._forward(packed, self._view(packed))
+        if self.graphs is not None:
+            logits = self.graphs.run(packed)
+            if logits is not None:
+                return logits
+        bucket = bucket_for(packed.num_rows, self.buckets) or packed.num_rows
+        padded = decode_padded(packed, bucket, self.cache.scratch_block, self.cache.block_size)
+        return self._forward(padded, self._view(padded))[: packed.num_rows]
 
-    def block_tables(self, tables: list[list[int]], S: int) -> torch.Tensor:
-        """(B, W) the blocks holding each row's tokens 0..S-1, W = ceil(S / bs); short rows padded with block 0."""
-        width = -(-S // self.cache.block_size)
-        rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
-        return torch.tensor(rows, device=self.device)
+    def _view(self, packed: PackedBatch) -> PackedView:
+        return PackedView(self.cache, packed, self.route)
 
-    def slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(B, T) pool slot of the token at each position: its block's first slot + its offset in the block."""
-        bs = self.cache.block_size
-        return tables.gather(1, positions // bs) * bs + positions % bs
+    def _forward(self, packed: PackedBatch, view: PackedView) -> torch.Tensor:
+        return self.model(packed.input_ids, packed.positions, None, view, packed.slots, logits_at=packed.logits_at)[0]
+
+    def _pad_rows(self, rows: int) -> PackedBatch:
+        """A decode batch of `rows` pad rows, its tables as wide as a sequence's can grow (the graphs' buffers)."""
+        bs, scratch = self.cache.block_size, self.cache.scratch_block
+        width = -(-min(self.model.config.max_position_embeddings, self.cache.num_blocks * bs) // bs)
+        empty = PackedBatch(*(torch.empty(shape, dtype=torch.long, device=self.device)
+                              for shape in ((1, 0), (1, 0), (0,), (0, width), (0,))),
+                            [], [], torch.empty(0, dtype=torch.long, device=self.device), 0, 0)  # fmt: skip
+        return decode_padded(empty, rows, scratch, bs)

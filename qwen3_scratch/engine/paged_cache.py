@@ -10,10 +10,12 @@ shared prefix can sit in several tables at once (prefix caching).
 The model does not change. Its attention calls `cache.update(layer, k, v, slots)` and attends over
 the first S = mask.shape[-1] keys returned, or, when the cache has an `attend` method, hands it the
 queries and lets it attend. Two views of the pool serve those two calls:
-  - `PagedView` (prompt chunks) writes the new keys/values into their slots of the pool, then *gathers*
-    each row's blocks, in table order, into a dense (B, K, S, D) tensor; the mask hides the padding.
-  - `InPlaceView` (decode batches, on a CPU) writes the same way, then attends over each row's blocks
-    where they lie in the pool (paged_attention.py): nothing is copied.
+  - `PagedView` writes the new keys/values into their slots of the pool, then *gathers* each row's
+    blocks, in table order, into a dense (B, K, S, D) tensor; the mask hides the padding. It is the
+    reference route, and what tensor-parallel workers read through.
+  - `PackedView` (packed_view.py, every engine step) writes the same way, then attends row by row:
+    decode rows over their blocks where they lie in the pool (paged_attention.py on a CPU, FlexAttention,
+    flex_paged.py, on a GPU), prompt rows over their gathered blocks (CPU) or in place (GPU).
 
 What the gather costs against a contiguous cache: attention over a contiguous cache reads each cached
 key/value once; the gather reads it, writes a dense copy, and attention reads the copy: about 3x the
@@ -46,13 +48,16 @@ class PagedKVCache:
                  in_place: bool | None = None):  # fmt: skip
         """in_place: decode batches attend in the pool (None: wherever paged_attention supports it)."""
         self.num_blocks, self.block_size = num_blocks, block_size
+        # One block more than the block manager hands out: the scratch block, where the pad rows of a padded
+        # decode batch (batch.py) write and read, so that padding never touches a sequence's keys.
+        self.scratch_block = num_blocks
         K, D = config.num_key_value_heads, config.head_dim
-        shape = (config.num_hidden_layers, K, num_blocks * block_size, D)
+        shape = (config.num_hidden_layers, K, (num_blocks + 1) * block_size, D)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
         self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
-        # Each layer's pool seen as blocks, (K, num_blocks, block_size, D): views made once, not per step.
-        self.key_blocks = [layer.view(K, num_blocks, block_size, D) for layer in self.keys]
-        self.value_blocks = [layer.view(K, num_blocks, block_size, D) for layer in self.values]
+        # Each layer's pool seen as blocks, (K, num_blocks + 1, block_size, D): views made once, not per step.
+        self.key_blocks = [layer.view(K, num_blocks + 1, block_size, D) for layer in self.keys]
+        self.value_blocks = [layer.view(K, num_blocks + 1, block_size, D) for layer in self.values]
         if in_place is None:
             in_place = paged_attention.supported(config, device, dtype)
         self.in_place = in_place
@@ -61,13 +66,8 @@ class PagedKVCache:
         return self.keys.nbytes + self.values.nbytes
 
     def view(self, write_slots: torch.Tensor, read_blocks: torch.Tensor) -> "PagedView":
-        """The gathering view (prompt chunks, and decode batches where in-place attention is off)."""
+        """The gathering view: the reference route, and what tensor-parallel workers read through."""
         return PagedView(self, write_slots, read_blocks)
-
-    def decode_view(self, write_slots: torch.Tensor, read_blocks: torch.Tensor) -> "PagedView":
-        """The view for a decode batch (one new token per row): in place where supported."""
-        view = InPlaceView if self.in_place else PagedView
-        return view(self, write_slots, read_blocks)
 
 
 class PagedView:
@@ -107,20 +107,3 @@ class PagedView:
         blocks = pool.view(K, -1, bs * D)  # (K, num_blocks, bs*D)
         rows = torch.index_select(blocks, 1, self.read_blocks.reshape(B * W)).view(K, B, W * bs, D)
         return rows.transpose(0, 1)  # (B, K, S, D) as a view: contiguous in (K, B) order
-
-
-class InPlaceView(PagedView):
-    """A decode batch's window: writes like PagedView, then attends over each row's blocks in the pool.
-
-    The model's attention sees the `attend` method and calls it instead of `update` (model/qwen3.py).
-    mask (B, 1, 1, S) must have S = W * block_size: one column per slot of the row's W table blocks.
-    """
-
-    def attend(self, layer: int, q, k, v, mask: torch.Tensor) -> torch.Tensor:
-        """Write k, v (B, K, 1, D); return attention of q (B, H, 1, D) over each row's keys, (B, H, 1, D)."""
-        self.write(layer, k, v)
-        B, W = self.read_blocks.shape
-        valid = mask.reshape(B, W, self.cache.block_size)  # (B, W, bs): the slots each row sees
-        return paged_attention.attend_in_place(
-            q, self.cache.key_blocks[layer], self.cache.value_blocks[layer], self.read_blocks, valid
-        )

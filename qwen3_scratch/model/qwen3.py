@@ -230,20 +230,25 @@ class Qwen3(nn.Module):
         cache: KVCache | None = None,
         cache_slots: torch.Tensor | None = None,
         last_only: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, T, V), or (B, 1, V) with last_only.
+        """input_ids (B, T) -> logits (B, T, V), or (B, 1, V) with last_only, or (B, M, V) at logits_at.
 
         position_ids (B, T): each token's RoPE position; default 0..T-1 (left-padded rows start later).
         mask (B, 1, T, S) bool: which keys each query may see; default causal over the T tokens.
         cache: write this forward's keys/values at cache_slots (T,) and attend over the first S slots,
             S = mask.shape[-1]; the mask defaults to causal-by-slot over all of the cache's slots. A cache
             with an `attend(layer, q, k, v, mask)` method writes and attends itself (the engine's paged pool).
+        logits_at (M,): the token indices whose logits to compute; the engine packs many sequences into
+            one forward (engine/batch.py) and needs the next-token scores of a few of its tokens only.
         """
         if self.lm_head is None:
             raise ValueError("this is an embedding checkpoint (no lm_head): it has hidden states, not logits")
         x = self.hidden_states(input_ids, position_ids, mask, cache, cache_slots)  # (B, T, C)
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C): generation only needs the next token's scores
+        elif logits_at is not None:
+            x = x[:, logits_at, :]  # (B, M, C)
         return self.lm_head(x)  # (B, T, V)
 
     def hidden_states(self, input_ids, position_ids=None, mask=None, cache: KVCache | None = None, cache_slots=None):
@@ -259,7 +264,7 @@ class Qwen3(nn.Module):
         if cache is not None:
             if cache_slots is None:
                 cache_slots = position_ids[0]
-            if mask is None:
+            if mask is None and not hasattr(cache, "attend"):  # a cache that attends itself knows its rows
                 mask = attention_mask(cache_slots, cache.key_valid)
         cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]  # (B, T, D) each
         return self.model(input_ids, cos, sin, mask, cache, cache_slots)  # (B, T, C)

@@ -54,7 +54,8 @@ class TensorParallelQwen3:
         return self.forward(*args, **kwargs)
 
     @torch.no_grad()
-    def forward(self, input_ids, position_ids=None, mask=None, cache=None, cache_slots=None, last_only=False):
+    def forward(self, input_ids, position_ids=None, mask=None, cache=None, cache_slots=None, last_only=False,
+                logits_at=None):  # fmt: skip
         """Qwen3.forward's arguments and result (logits (B, T, V), or (B, 1, V) with last_only), on N ranks."""
         B, T = input_ids.shape
         if position_ids is None:
@@ -68,10 +69,10 @@ class TensorParallelQwen3:
         cpu = (lambda t: None if t is None else t.cpu())  # fmt: skip  # rank 0's device is not the workers'
         freed, self._freed = self._freed, []
         step = Step(self.key, cpu(input_ids), cpu(position_ids), cpu(mask), self.cache_spec(cache), cpu(cache_slots),
-                    last_only, self.shard.rope_cos.shape[0], freed)  # fmt: skip
+                    last_only, self.shard.rope_cos.shape[0], freed, cpu(logits_at))  # fmt: skip
         self.group.send(("forward", step))
         try:
-            return self.shard(input_ids, position_ids, mask, cache, cache_slots, last_only=last_only)
+            return self.shard(input_ids, position_ids, mask, cache, cache_slots, last_only=last_only, logits_at=logits_at)
         except Exception as error:  # the workers went on into collectives this rank left: no way back in step
             self.group.fail(error, "running a forward")
 

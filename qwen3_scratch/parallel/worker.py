@@ -52,6 +52,7 @@ class Step:
     last_only: bool
     rope_positions: int  # rank 0's RoPE table length, so every rank's covers the same positions
     freed: list = field(default_factory=list)  # cache keys rank 0 no longer holds
+    logits_at: torch.Tensor | None = None  # (M,) the tokens whose logits rank 0 asked for (a packed engine step)
 
 
 def mirror(spec: CacheSpec | None, caches: dict, model, device):
@@ -82,7 +83,7 @@ def run_step(models: dict, caches: dict, step: Step, device) -> None:
         caches.pop(key, None)
     move = (lambda t: None if t is None else t.to(device))  # fmt: skip
     model(move(step.input_ids), move(step.position_ids), move(step.mask), cache, move(step.cache_slots),
-          last_only=step.last_only)  # fmt: skip  # the logits are rank 0's; here only the collectives matter
+          last_only=step.last_only, logits_at=move(step.logits_at))  # fmt: skip  # the logits are rank 0's; here only the collectives matter
 
 
 def worker_main(rank, world, init_method, device, timeout_s, threads=None, local_rank=None) -> None:

@@ -1,0 +1,98 @@
+"""One engine step as one forward: every row's new tokens flattened into a single (1, N) sequence (varlen).
+
+A *row* is one sequence's chunk of new tokens at positions start..end-1, attending over its own cached
+keys 0..start-1 (read through its block table) and, causally, over itself. A decode is a row of one
+token; a prompt chunk a row of T; a speculative step (draft tokens checked at once) a row of k+1. Rows
+of different lengths cannot share a (B, T) tensor without padding every row to the longest, so the
+step's tokens are laid end to end instead, as vLLM does:
+
+    tokens    [ d0 | d1 | d2 | p0 p0 p0 p0 p0 | p1 p1 p1 ]     (1, N), N = sum of the rows' lengths
+    rows      0    1    2    3                  4               query_starts = [0, 1, 2, 3, 8, 11]
+
+Every linear layer, norm and the MLP are per token, so they run once over all N tokens; only attention
+needs the rows, and it reads them from here (packed_view.py). Rows of one token (decodes) come first, so
+that attention can run them as one batch.
+
+Padding (decode_padded): a decode step may be padded up to a bucket of rows (cuda_graphs.py) so that only
+a few shapes ever run. A pad row holds token 0 at position 0, writes its key/value into the pool's scratch
+block (paged_cache.py: never handed to a sequence) and attends over that slot alone; its logits are cut
+off. Nothing it computes reaches a real row: every op outside attention is per token, and attention is
+per row.
+
+Shapes: N tokens, R rows, W blocks per row (the widest row's, narrower rows padded), bs block_size.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .scheduler import Chunk
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # (1, N)
+    positions: torch.Tensor  # (1, N) each token's position in its own sequence (RoPE, causality)
+    slots: torch.Tensor  # (N,) each token's pool slot, where its key/value is written
+    tables: torch.Tensor  # (R, W) each row's block table, padded with the scratch block
+    context_lens: torch.Tensor  # (R,) keys each row attends: its cached prefix and its new tokens
+    query_lens: list[int]  # tokens per row (host copies: attention loops over prompt rows)
+    starts: list[int]  # position of each row's first new token
+    logits_at: torch.Tensor  # (M,) the token indices whose logits the step needs
+    num_decodes: int  # leading rows of one token each
+    num_real: int  # rows before the padding (decode_padded)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def ends(self) -> list[int]:
+        return [s + n for s, n in zip(self.starts, self.query_lens)]
+
+
+def pack(chunks: list[Chunk], block_size: int, scratch_block: int, device, wants_all: set[int] = frozenset(),
+         width: int | None = None) -> PackedBatch:  # fmt: skip
+    """The rows of chunks (decodes first) flattened. wants_all: ids of sequences that need the logits of every
+    new token (prompt logprobs), the others get their last token's. width: pad the tables to this many blocks."""
+    ids, positions, slots, logits_at, tables = [], [], [], [], []
+    for chunk in chunks:
+        seq, start, end = chunk.seq, chunk.start, chunk.end
+        table = seq.block_table
+        first = len(ids)
+        ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        logits_at += range(first, len(ids)) if id(seq) in wants_all else [len(ids) - 1]
+        tables.append(table[: -(-end // block_size)])
+    W = max(width or 0, max(len(t) for t in tables))
+    tables = [t + [scratch_block] * (W - len(t)) for t in tables]
+    lens = [c.end - c.start for c in chunks]
+    num_decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return PackedBatch(as_tensor([ids]), as_tensor([positions]), as_tensor(slots), as_tensor(tables),
+                       as_tensor([c.end for c in chunks]), lens, [c.start for c in chunks], as_tensor(logits_at),
+                       num_decodes, len(chunks))  # fmt: skip
+
+
+def decode_padded(batch: PackedBatch, rows: int, scratch_block: int, block_size: int) -> PackedBatch:
+    """A decode-only batch padded with rows that touch only the scratch block, up to `rows` rows."""
+    pad = rows - batch.num_rows
+    if pad <= 0:
+        return batch
+    assert batch.num_decodes == batch.num_rows, "only decode steps are padded"
+    device = batch.input_ids.device
+    zeros = torch.zeros(1, pad, dtype=torch.long, device=device)
+    scratch = torch.full((pad,), scratch_block * block_size, dtype=torch.long, device=device)
+    tables = torch.full((pad, batch.tables.shape[1]), scratch_block, dtype=torch.long, device=device)
+    return PackedBatch(
+        torch.cat([batch.input_ids, zeros], 1), torch.cat([batch.positions, zeros], 1),
+        torch.cat([batch.slots, scratch]), torch.cat([batch.tables, tables]),
+        torch.cat([batch.context_lens, torch.ones(pad, dtype=torch.long, device=device)]),
+        batch.query_lens + [1] * pad, batch.starts + [0] * pad,
+        torch.arange(rows, device=device), rows, batch.num_real,
+    )  # fmt: skip

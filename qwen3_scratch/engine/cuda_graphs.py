@@ -1,0 +1,114 @@
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket (nano-vllm's model_runner, vLLM's).
+
+An eager decode step of a 0.6B model on a GPU is ~1,100 kernel launches of a few microseconds of work
+each: the host, not the GPU, sets the pace. A CUDA graph records the launches of one forward once and
+replays them with one call. A graph replays fixed shapes at fixed addresses, so:
+
+  - a step of B rows runs in the graph of the smallest bucket >= B (1, 2, 4, 8, 16, 32, then steps of 32
+    up to max_num_seqs), padded with rows that touch only the scratch block (batch.py says why they
+    cannot change a real row); a step above the largest bucket, or with prompt rows, runs eagerly;
+  - each bucket's inputs live in static buffers: a PackedBatch whose tensors the graph read at capture.
+    A replay copies the real rows in (ids, positions, slots, block tables, context lengths), resets the
+    padding, replays, and slices the real rows' logits out. The block tables are as wide as the widest
+    table a sequence can have, so any context fits; the attention visits only a row's own blocks;
+  - what the attention derives from those inputs (the FlexAttention block mask, the valid slots) is
+    computed inside the graph from the buffers (`PackedView.refresh`), never on the host.
+
+On a CPU there are no graphs, but the same class runs with `Recorded` in place of torch.cuda.CUDAGraph:
+it "captures" the eager forward over the same static buffers and "replays" it by calling it again, so
+the bucket choice, the copy-in, the padding and the slicing out are what the CPU tests exercise.
+
+Shapes: b bucket rows, R real rows (<= b), Wmax blocks per table, V vocab.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from .batch import PackedBatch
+
+SMALL_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def buckets_up_to(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, then every 32 (vLLM's and nano-vllm's spacing), ending at max_rows."""
+    sizes = [b for b in SMALL_BUCKETS if b < max_rows] + list(range(64, max_rows, 32)) + [max_rows]
+    return sorted(set(sizes))
+
+
+def bucket_for(rows: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds `rows`; None above the largest."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+class Recorded:
+    """A stand-in for torch.cuda.CUDAGraph where there is no GPU: replay() calls the captured callable again."""
+
+    def __init__(self, call: Callable[[], None]):
+        self.call = call
+
+    def replay(self) -> None:
+        self.call()
+
+
+class DecodeGraphs:
+    """forward(batch) -> logits (rows, V) of a PackedBatch; `run` replays it from its bucket's graph."""
+
+    def __init__(self, forward: Callable[[PackedBatch], torch.Tensor], make_view: Callable, template: Callable,
+                 buckets: list[int], use_cuda: bool):  # fmt: skip
+        """make_view(batch): the cache view the forward reads; template(rows): a padded batch of `rows` pad rows."""
+        self.forward, self.make_view, self.template = forward, make_view, template
+        self.buckets, self.use_cuda = buckets, use_cuda
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, static batch, output logits)
+        self.pads: dict[int, PackedBatch] = {}  # bucket -> its batch of pad rows only
+        self.pool = None  # the CUDA graphs share one memory pool: they never run at once
+        self.replays = 0  # (tests, metrics)
+
+    def run(self, batch: PackedBatch) -> torch.Tensor | None:
+        """The decode batch's logits (R, V) from its bucket's graph, captured on first use; None if no bucket fits."""
+        bucket = bucket_for(batch.num_rows, self.buckets)
+        if bucket is None or batch.num_decodes != batch.num_rows:
+            return None
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self.capture(bucket)
+        graph, static, logits = self.graphs[bucket]
+        self.copy_in(static, batch)
+        graph.replay()
+        self.replays += 1
+        return logits[: batch.num_rows].clone()  # the next replay overwrites the graph's output
+
+    def copy_in(self, static: PackedBatch, batch: PackedBatch) -> None:
+        """Real rows into the static buffers; the rows after them back to padding (the pad template's values)."""
+        R, W = batch.tables.shape
+        pad = self.pads[static.num_rows]
+        for name in ("input_ids", "positions", "slots", "tables", "context_lens"):
+            getattr(static, name).copy_(getattr(pad, name))
+        static.input_ids[:, :R] = batch.input_ids
+        static.positions[:, :R] = batch.positions
+        static.slots[:R] = batch.slots
+        static.context_lens[:R] = batch.context_lens
+        static.tables[:R, :W] = batch.tables
+
+    def capture(self, bucket: int) -> tuple:
+        static, self.pads[bucket] = self.template(bucket), self.template(bucket)
+        view = self.make_view(static)
+
+        def step():
+            view.refresh()
+            return self.forward(static, view)
+
+        if not self.use_cuda:
+            out = step()
+            holder = [out]
+
+            def again():
+                holder[0].copy_(step())
+
+            return Recorded(again), static, out
+        step()  # warm up outside the graph: compiles, autotunes, allocates lazily made state
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        self.pool = graph.pool()
+        return graph, static, out

@@ -1,0 +1,131 @@
+"""Attention over a packed step (batch.py): each row's new tokens over its own keys in the pool.
+
+The model runs one forward over the step's N tokens as a batch of one, (1, N), and hands each layer's
+q (1, H, N, D), k, v (1, K, N, D) to the cache's `attend` (model/qwen3.py). `PackedView` writes k, v
+into their slots of the pool, then attends row by row, by one of three routes, all pure PyTorch:
+
+  - "paged" (the CPU's): the leading decode rows together, as one (B, H, 1, D) batch read in place
+    (paged_attention.py) or gathered; each other row (a prompt chunk) alone: its blocks gathered and
+    attended with SDPA under its causal mask, as a prefill of that chunk alone would;
+  - "flex" (a GPU's): all rows in one FlexAttention call reading the pool in place (flex_paged.py);
+  - the reference (`reference_inputs`): the whole step as one row whose keys are every row's blocks,
+    gathered end to end, under a block-diagonal causal mask. Plain `PagedView` + the model's own SDPA:
+    what tests compare against, and what tensor-parallel workers rebuild (they know only `PagedView`).
+    Its cost grows with rows x keys of all rows, so it is not the route a step takes.
+
+Shapes: N tokens, R rows, B decode rows, H query / K kv heads, D head_dim, W blocks per row,
+S keys of one row, bs block_size.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from qwen3_scratch.model.qwen3 import one_query_attention
+
+from . import paged_attention
+from .batch import PackedBatch
+from .flex_paged import FlexPagedAttention
+from .paged_cache import PagedKVCache, PagedView
+
+ROUTES = ("paged", "flex")
+
+
+def dense_attention(q, k, v, mask):
+    """The model's own attention for q (B, H, T, D) over gathered k, v (B, K, S, D): what Attention.attend runs."""
+    if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype != torch.float32:
+        return one_query_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class PackedView(PagedView):
+    """The pool as one packed forward sees it: writes each token's key/value, attends row by row."""
+
+    def __init__(self, cache: PagedKVCache, batch: PackedBatch, route: str = "paged"):
+        super().__init__(cache, batch.slots, batch.tables)
+        self.batch, self.route = batch, route
+        bs, device = cache.block_size, batch.input_ids.device
+        if route == "flex":
+            self.flex = FlexPagedAttention(batch, bs, cache.num_blocks + 1)
+            return
+        # Made once per forward, used by every layer: the decode rows' table width and valid slots,
+        # and each prompt row's causal mask over its keys (its prefix and itself).
+        B = batch.num_decodes
+        decode_ends = batch.ends[:B]
+        self.decode_width = batch.tables.shape[1] if B == batch.num_rows else -(-max(decode_ends, default=1) // bs)
+        self.refresh()
+        self.prompt_masks = []
+        offset = B
+        for start, n in zip(batch.starts[B:], batch.query_lens[B:]):
+            positions = batch.positions[0, offset : offset + n]
+            keys = torch.arange(start + n, device=device)
+            self.prompt_masks.append((keys[None, :] <= positions[:, None])[None, None])  # (1, 1, T, S)
+            offset += n
+
+    def refresh(self) -> None:
+        """Recompute what depends on the batch's tensors, from them alone (no host sync): a CUDA graph
+        captures this with the forward and replays both over its static buffers (cuda_graphs.py)."""
+        if self.route == "flex":
+            self.flex.refresh(self.batch)
+            return
+        B = self.batch.num_decodes
+        slots = torch.arange(self.decode_width * self.cache.block_size, device=self.batch.input_ids.device)
+        self.decode_valid = slots[None, :] < self.batch.context_lens[:B, None]  # (B, W*bs)
+
+    def attend(self, layer: int, q, k, v, mask=None) -> torch.Tensor:
+        """Write k, v (1, K, N, D); return every token's attention over its row's keys, (1, H, N, D)."""
+        self.write(layer, k, v)
+        if self.route == "flex":
+            return self.flex(q, self.cache.keys[layer], self.cache.values[layer])
+        B = self.batch.num_decodes
+        parts = [self._decodes(layer, q[:, :, :B])] if B else []
+        offset = B
+        for r, (n, mask) in enumerate(zip(self.batch.query_lens[B:], self.prompt_masks), start=B):
+            parts.append(self._row(layer, r, q[:, :, offset : offset + n], mask))
+            offset += n
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+    def _decodes(self, layer: int, q) -> torch.Tensor:
+        """q (1, H, B, D) of the B decode rows -> (1, H, B, D), in one batch over their tables."""
+        q = q[0].transpose(0, 1)[:, :, None]  # (B, H, 1, D)
+        B, W, bs = q.shape[0], self.decode_width, self.cache.block_size
+        tables = self.batch.tables[:B, :W]
+        if self.cache.in_place:
+            valid = self.decode_valid.view(B, W, bs)
+            y = paged_attention.attend_in_place(q, self.cache.key_blocks[layer], self.cache.value_blocks[layer],
+                                                tables, valid)  # fmt: skip
+        else:
+            keys, values = self._gather(self.cache.keys[layer], tables), self._gather(self.cache.values[layer], tables)
+            y = dense_attention(q, keys, values, self.decode_valid[:, None, None, :])
+        return y[:, :, 0].transpose(0, 1)[None]  # (B, H, 1, D) -> (1, H, B, D)
+
+    def _row(self, layer: int, r: int, q, mask) -> torch.Tensor:
+        """One prompt row: q (1, H, T, D) over its S keys, gathered, causally -> (1, H, T, D)."""
+        S = mask.shape[-1]
+        table = self.batch.tables[r : r + 1, : -(-S // self.cache.block_size)]  # (1, W)
+        keys = self._gather(self.cache.keys[layer], table)[:, :, :S]  # (1, K, S, D)
+        values = self._gather(self.cache.values[layer], table)[:, :, :S]
+        return dense_attention(q, keys, values, mask)
+
+    def _gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Whole blocks of tables (B, W) out of pool (K, slots, D) -> (B, K, W*bs, D), contiguous in (K, B) order."""
+        K, _, D = pool.shape
+        B, W = tables.shape
+        bs = self.cache.block_size
+        blocks = pool.view(K, -1, bs * D)  # (K, blocks, bs*D)
+        return torch.index_select(blocks, 1, tables.reshape(B * W)).view(K, B, W * bs, D).transpose(0, 1)
+
+
+def reference_inputs(batch: PackedBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step as one gathered row: (1, sum W) every row's blocks end to end, and the (1, 1, N, sum W*bs)
+    mask that lets each token see its own row's keys up to its position, and nothing of other rows."""
+    device = batch.input_ids.device
+    widths = [-(-end // block_size) for end in batch.ends]
+    blocks = torch.cat([batch.tables[r, :w] for r, w in enumerate(widths)])[None]  # (1, sum W)
+    key_row = torch.repeat_interleave(torch.arange(batch.num_rows, device=device),
+                                      torch.tensor(widths, device=device) * block_size)  # fmt: skip
+    key_pos = torch.cat([torch.arange(w * block_size, device=device) for w in widths])  # each key's position
+    token_row = torch.repeat_interleave(torch.arange(batch.num_rows, device=device),
+                                        torch.tensor(batch.query_lens, device=device))  # fmt: skip
+    positions = batch.positions[0]
+    mask = (token_row[:, None] == key_row[None, :]) & (key_pos[None, :] <= positions[:, None])  # (N, S)
+    return blocks, mask[None, None]
