@@ -14,7 +14,6 @@ gpt-fast's fused cast on a GPU), int8pack (torch._weight_int8pack_mm) or int4 (t
 """
 
 import importlib
-import inspect
 import json
 import sys
 import time
@@ -184,11 +183,12 @@ def workload_worker(args, out: Path) -> None:
         out.write_text(json.dumps(record))
         return
     folder = checkpoint_folder(args.size, args.device, args.weights)
-    known = {"checkpoint": str(folder), "model": str(folder), "device": args.device, "dtype": "bfloat16", "seed": 0}
+    import torch
+
+    kwargs = {"model_path_or_model": str(folder), "device": args.device, "seed": 0,
+              "dtype": torch.bfloat16 if args.device == "cuda" else torch.float32}  # fmt: skip
     if args.size == "tiny":  # the dry run: a few short requests
-        known |= {"num_requests": 4, "num_seqs": 4, "max_input_len": 24, "max_output_len": 8, "max_ouput_len": 8}
-    accepted = inspect.signature(workload.run).parameters
-    kwargs = {k: v for k, v in known.items() if k in accepted}
+        kwargs |= {"num_requests": 4, "max_len": 24}
     record["run_kwargs"] = {k: str(v) for k, v in kwargs.items()}
     record_result(record, out, "engine/workload", lambda: workload.run(**kwargs))
 
