@@ -65,7 +65,8 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
     engine = [c for c in sizes if not c.endswith("8B")][:1] or sizes[:1]  # the engine runs the smallest dense size
     steps.append(("engine workload", worker + ["workload", "--size", engine[0]] + common, ""))
     steps.append(("engine busy", worker + ["busy", "--size", engine[0]] + common, ""))
-    steps.append((f"int8/int4 {largest}", worker + ["decode", "--size", largest, "--variants", QUANTIZED] + common, ""))
+    steps.append((f"int8/int4 {largest}", worker + ["decode", "--size", largest, "--variants", args.quantized] + common,
+                  ""))  # fmt: skip
     steps.append((f"transformers {largest}", worker + ["transformers", "--size", largest, "--variants",
                                                       "eager,static-compile"] + common, ""))  # fmt: skip
     load = [py, str(HERE / "bench" / "benchmark_load.py"), "--device", "cuda", "--repeats", "3", "--checkpoint",
@@ -83,12 +84,15 @@ def run_step(command: list[str], limit: float, record: Path | None) -> dict:
     """A subprocess with a time limit: its exit code, duration, the tail of its output and the JSON record
     its worker wrote (whatever it measured before it ended, even if it then failed)."""
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    # unbuffered, so a step killed at its limit still shows how far it got
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT, env=env)
         result = {"returncode": done.returncode, "output_tail": (done.stdout + done.stderr)[-2000:]}
     except subprocess.TimeoutExpired as e:
-        tail = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        tail = text(e.stdout) + text(e.stderr)
         result = {"returncode": None, "error": f"timed out after {limit:.0f} s", "output_tail": tail[-2000:]}
     result["seconds"] = round(time.perf_counter() - start, 1)
     result["limit_s"] = round(limit)
@@ -105,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--weights", type=Path, default=ROOT / "weights", help="where the random checkpoints go")
     p.add_argument("--deadline", type=float, default=470, help="seconds after which no step starts or runs on")
+    p.add_argument("--quantized", default=QUANTIZED, help="the int8/int4 step's variants (default %(default)s)")
     p.add_argument("--steps", help="run only these steps (names as in gpu_check.md, comma-separated)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -86,7 +86,10 @@ def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=
     max_num_batched_tokens = max_num_batched_tokens or (8192 if cuda else 512)
     engine = LLMEngine(model, None, [], pool_blocks(model, requests, block_size, max_num_seqs), block_size,
                        max_num_seqs, max_num_batched_tokens)  # fmt: skip
+    print(f"    workload: {num_requests} requests, pool {engine.blocks.num_blocks} blocks; warming up", flush=True)
+    start = time.perf_counter()
     generate(engine, [(ids[:32], 8) for ids, _ in requests[: min(len(requests), max_num_seqs)]], temperature)
+    print(f"    workload: warm-up {time.perf_counter() - start:.1f} s; timing", flush=True)
     result = {"device": str(device), "requests": num_requests, "max_len": max_len,
               "prompt_tokens": sum(len(ids) for ids, _ in requests), "blocks": engine.blocks.num_blocks}  # fmt: skip
     if cuda:
