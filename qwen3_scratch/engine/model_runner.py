@@ -6,12 +6,19 @@ The runner packs the step's chunks, decodes and prompt chunks alike, into one (1
 request that scores its prompt). The model is the same one the simple loops use; it never learns that
 its cache is paged, or that its batch of one is many sequences.
 
-Attention routes (packed_view.py): "paged" on a CPU (decodes read in place, each prompt chunk over its
-gathered blocks), "flex" on a GPU (one FlexAttention call over the pool in place), and the reference, one
-gathered row under a block-diagonal mask, for a tensor-parallel model (its workers rebuild plain views).
+Attention routes (packed_view.py): "paged", the default (decodes read in place on a CPU, gathered on a
+GPU; each prompt chunk over its gathered blocks), "flex" (one FlexAttention call over the pool in place,
+with decode steps replayed from CUDA graphs on a GPU), and the reference, one gathered row under a
+block-diagonal mask, for a tensor-parallel model (its workers rebuild plain views).
+
+Why "paged" on a GPU too, for now: the only GPU run of "flex" (H100, torch 2.11) failed to compile it
+(inductor's flex_attention lowering found no kernel choice for the packed step's dynamic shapes), and
+graphs of the paged route would gather every table's whole width each replay. So `route="flex"` (graphs
+with it) is opt-in until a GPU run of scripts/gpu_check.py shows it compiles and wins (docs/gpu.md).
 
 Decode steps (every row one token) are padded up to a bucket of rows (cuda_graphs.py), so that only a
-few shapes ever run; on a GPU each bucket's forward is a CUDA graph, captured on first use and replayed.
+few shapes ever run; with the flex route on a GPU each bucket's forward is a CUDA graph, captured on
+first use and replayed.
 
 Shapes: N tokens in the step, R rows, M tokens whose logits are kept, V vocab.
 """
@@ -30,14 +37,15 @@ from .scheduler import ScheduledBatch
 class ModelRunner:
     def __init__(self, model: Qwen3, cache: PagedKVCache, route: str | None = None, graphs: bool | None = None,
                  max_rows: int = 64):  # fmt: skip
-        """route: "paged", "flex" or "reference" (default: by device and model, as above). graphs: decode steps
-        replay bucket graphs (default: on a GPU; on a CPU the same code replays the eager forward)."""
+        """route: "paged", "flex" or "reference" (default: "reference" for a tensor-parallel model, else
+        "paged", as above). graphs: decode steps replay bucket graphs (default: with the flex route on a GPU;
+        on a CPU the same code replays the eager forward)."""
         self.model, self.cache = model, cache
         self.device = model.device
         cuda = self.device.type == "cuda"
-        self.route = route or ("reference" if not isinstance(model, Qwen3) else "flex" if cuda else "paged")
+        self.route = route or ("reference" if not isinstance(model, Qwen3) else "paged")
         self.buckets = buckets_up_to(max_rows)
-        use_graphs = (cuda if graphs is None else graphs) and self.route != "reference"
+        use_graphs = (cuda and self.route == "flex" if graphs is None else graphs) and self.route != "reference"
         self.graphs = None
         if use_graphs:
             self.graphs = DecodeGraphs(self._forward, self._view, self._pad_rows, self.buckets, cuda)

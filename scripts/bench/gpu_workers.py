@@ -193,6 +193,8 @@ def workload_worker(args, out: Path) -> None:
         kwargs |= {"num_requests": 64}
     record["run_kwargs"] = {k: str(v) for k, v in kwargs.items()}
     record_result(record, out, "engine/workload", lambda: workload.run(**kwargs))
+    # FlexAttention over the pool in place, with decode graphs: opt-in until it compiles and wins on a GPU
+    record_result(record, out, "engine/workload flex", lambda: workload.run(**kwargs, route="flex"))
 
 
 def busy_worker(args, out: Path) -> None:

@@ -29,6 +29,7 @@ for path in (ROOT, ROOT / "scripts"):
 from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
 from qwen3_scratch.engine.engine import LLMEngine  # noqa: E402
 from qwen3_scratch.engine.llm import default_num_blocks  # noqa: E402
+from qwen3_scratch.engine.model_runner import ModelRunner  # noqa: E402
 from qwen3_scratch.sampling.params import SamplingParams  # noqa: E402
 
 
@@ -73,8 +74,9 @@ def gpu_busy_fraction(fn) -> tuple[float, float]:
 
 
 def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=0, dtype=None, temperature=0.6,
-        max_num_seqs=None, max_num_batched_tokens=None, block_size=16, profile_busy=True) -> dict:  # fmt: skip
-    """The workload once to warm up (a few requests: kernels, graphs), then timed. A dict of the figures."""
+        max_num_seqs=None, max_num_batched_tokens=None, block_size=16, profile_busy=True, route=None) -> dict:  # fmt: skip
+    """The workload once to warm up (a few requests: kernels, graphs), then timed. A dict of the figures.
+    route: the engine's attention route (model_runner.py; default the engine's own choice)."""
     cuda = torch.device(device).type == "cuda"
     if isinstance(model_path_or_model, (str, Path)):
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -86,6 +88,8 @@ def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=
     max_num_batched_tokens = max_num_batched_tokens or (8192 if cuda else 512)
     engine = LLMEngine(model, None, [], pool_blocks(model, requests, block_size, max_num_seqs), block_size,
                        max_num_seqs, max_num_batched_tokens)  # fmt: skip
+    if route is not None:
+        engine.runner = ModelRunner(model, engine.cache, route=route, max_rows=max_num_seqs)
     print(f"    workload: {num_requests} requests, pool {engine.blocks.num_blocks} blocks; warming up", flush=True)
     start = time.perf_counter()
     generate(engine, [(ids[:32], 8) for ids, _ in requests[: min(len(requests), max_num_seqs)]], temperature)
