@@ -29,9 +29,12 @@ def kernel_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(matvec, "_KERNELS", {})
     monkeypatch.setattr(aot, "PENDING", {})
-    fewrow._library.cache_clear()
+    caches = (fewrow._library, fewrow.unavailable_reason, matvec.unavailable_reason)  # each process's first checks
+    for cached in caches:
+        cached.cache_clear()
     yield tmp_path / "cache"
-    fewrow._library.cache_clear()
+    for cached in caches:
+        cached.cache_clear()
 
 
 def greedy_tokens(path, dtype, optimize="decode") -> list[int]:
