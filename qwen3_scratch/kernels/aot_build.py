@@ -1,6 +1,6 @@
 """Packaging the kernels a process compiled, ahead of time, for every later start (aot.py says why).
 
-    python -m qwen3_scratch.kernels.aot_build SPECS.json    # what start_background_build runs (niced, after the CLI exits)
+    start_background_build()    # the CLI, after the load: a niced process runs main(SPECS.json) once the CLI exits
 
 Each kernel is exported (torch.export) and compiled by AOTInductor into one .pt2 package, then checked
 against the inductor kernel of the same function: equal bits on random inputs, or the entry is stored
@@ -130,7 +130,3 @@ def main(argv=None) -> int:
                 print(f"{key['function']} {key['args']}: failed: {type(error).__name__}: {error}", flush=True)
                 write_entry(aot.entry_folder(key), {"key": key, "verified": False, "error": str(error)[:500]})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
