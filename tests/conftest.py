@@ -1,3 +1,4 @@
+import os
 import signal
 import sys
 from pathlib import Path
@@ -11,6 +12,10 @@ SCRIPT_FOLDERS = [ROOT / "scripts", *(ROOT / "scripts" / name for name in ("benc
 for folder in (ROOT / "tests", *SCRIPT_FOLDERS):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
+
+# The suite compiles its kernels with inductor and never reads or writes the user's kernel cache, nor starts
+# background builds (kernels/aot.py); tests/test_aot_kernels.py turns it on, with a cache of its own.
+os.environ.setdefault("QWEN3_SCRATCH_AOT", "0")
 
 # A shell starts a background job (`pytest ... &`) with SIGINT ignored, and every child inherits that: the
 # Ctrl-C tests' commands would never see their SIGINT. Handled (not ignored) here, children start with the default.

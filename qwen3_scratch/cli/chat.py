@@ -271,6 +271,9 @@ def run(args) -> None:
                          revision=args.revision, verify=args.verify, quantize=args.quantize,
                          quantize_group_size=args.quantize_group_size,
                          tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
+    from qwen3_scratch.kernels.aot_build import start_background_build
+
+    start_background_build()  # the kernels inductor built, packaged for later starts (once)
     session = ChatSession(pipe, params, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()
     if interactive:

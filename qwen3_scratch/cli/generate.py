@@ -106,6 +106,9 @@ def run(args) -> None:
                          quantize_group_size=args.quantize_group_size, use_cache=args.kv_cache,
                          compile=args.compile, cuda_graphs=args.cuda_graphs, measure_bandwidth=args.show_stats,
                          tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
+    from qwen3_scratch.kernels.aot_build import start_background_build
+
+    start_background_build()  # the kernels inductor built, packaged for later starts (once)
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
     if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls
         print_reply(pipe, prompts[0], params, args, tools)

@@ -34,6 +34,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from . import aot
 from .matvec import MatvecLinear
 
 MAX_ROWS = 16  # a verification of up to 15 proposed tokens; more rows than this go to F.linear
@@ -107,10 +108,14 @@ extern "C" int fewrow_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, in
 
 @functools.cache
 def _library():
-    """The compiled C function (built on first use in a process; the binary is cached on disk)."""
-    from torch._inductor.codecache import CppCodeCache  # the compiler, imported only by the process that needs it
+    """The compiled C function (built once per machine and kept in aot.py's cache; checked by unavailable_reason)."""
+    library = aot.load_library("fewrow", SOURCE)  # kept by an earlier process: no compiler imported
+    if library is None:
+        from torch._inductor.codecache import CppCodeCache  # the compiler, imported only by the process that needs it
 
-    function = CppCodeCache.load(SOURCE).fewrow_bf16
+        library = CppCodeCache.load(SOURCE)
+        aot.keep_library("fewrow", SOURCE, library._name)
+    function = library.fewrow_bf16
     function.restype = ctypes.c_int
     return function
 

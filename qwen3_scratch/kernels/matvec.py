@@ -35,6 +35,7 @@ from torch import nn
 
 from qwen3_scratch.model.qwen3 import Qwen3
 
+from . import aot
 from .fuse import replace_linears
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,25 +62,37 @@ _KERNELS: dict[tuple, object] = {}  # (function, shapes and dtypes of its argume
 
 def kernel(fn, *args: torch.Tensor, **constants):
     """fn(*args, **constants) compiled for exactly these argument shapes and dtypes (and constants),
-    built on first use and kept. Every call must pass contiguous tensors of those shapes and dtypes.
+    obtained on first use and kept. Every call must pass contiguous tensors of those shapes and dtypes.
 
-    Rounding as in eager mode: each explicit cast to bf16 rounds there (emulate_precision_casts), so a
-    compiled chain of ops gives the eager chain's bits where the sums run in the same order.
+    A kernel packaged by an earlier process is loaded without the compiler (aot.py); otherwise inductor
+    builds it, and the CLI hands it to a background builder for later starts (aot_build.py). Both give
+    the same bits (aot_build keeps a package only then).
     """
     key = (fn.__qualname__, *((tuple(a.shape), a.dtype) for a in args), *sorted(constants.items()))
     compiled = _KERNELS.get(key)
     if compiled is None:
-        import torch._inductor  # the compiler, imported only by the process that needs it
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        # contiguous, like every call's; never written, so the lm_head's 311 MB are never touched
-        examples = [torch.empty(a.shape, dtype=a.dtype) for a in args]
-        # traced on fake tensors: a real trace would compute W.float() * x, (N, K) floats
-        graph = make_fx(lambda *tensors: fn(*tensors, **constants), tracing_mode="fake")(*examples)
-        options = {"emulate_precision_casts": True}
-        with cacheable():
-            compiled = _KERNELS[key] = torch._inductor.compile(graph, examples, options=options)
+        compiled = aot.load(fn, args, constants)
+        if compiled is None:
+            compiled = jit_kernel(fn, args, constants)
+            aot.remember(fn, args, constants)
+        _KERNELS[key] = compiled
     return compiled
+
+
+def jit_kernel(fn, args, constants: dict):
+    """fn compiled by inductor in this process (its FX graph cache spares the code generation of a kernel
+    built before). Rounding as in eager mode: each explicit cast to bf16 rounds there
+    (emulate_precision_casts), so a compiled chain of ops gives the eager chain's bits where the sums
+    run in the same order."""
+    import torch._inductor  # the compiler, imported only by the process that needs it
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # contiguous, like every call's; never written, so the lm_head's 311 MB are never touched
+    examples = [torch.empty(a.shape, dtype=a.dtype) for a in args]
+    # traced on fake tensors: a real trace would compute W.float() * x, (N, K) floats
+    graph = make_fx(lambda *tensors: fn(*tensors, **constants), tracing_mode="fake")(*examples)
+    with cacheable():
+        return torch._inductor.compile(graph, examples, options={"emulate_precision_casts": True})
 
 
 def cacheable():

@@ -5,11 +5,14 @@
 
 Ours: `python -m qwen3_scratch.generate --max-new-tokens 1` on the 0.6B shapes with Qwen3's real vocabulary
 (the `-with-tokenizer` folder `llamacpp_engine.py --convert` writes), so it pays what a user pays: Python,
-torch's import, the load, building the compiled CPU decode kernels, the prompt, one token. Twice per round:
-a *first run ever* (inductor's caches pointed at an empty folder, TORCHINDUCTOR_CACHE_DIR) and a *second
-run* (the same folder again, as every later run finds it). llama.cpp: a Python process that imports
-llama-cpp-python, loads the GGUF of the same weights and makes one token. Each is the wall time of the
-whole process, measured here around it; the rounds alternate the three, and the table gives medians.
+torch's import, the load, the compiled CPU decode kernels, the prompt, one token. Three times per round,
+with inductor's cache and ours (kernels/aot.py) in empty folders: a *first run ever* (inductor builds
+every kernel and hands them to the background builder), then, once that builder is done, a *second
+run* with stored kernels turned off (QWEN3_SCRATCH_AOT=0: inductor's cache only, the second start
+before issue 30) and a *later run* (every kernel loaded from its AOTInductor package). llama.cpp, when
+llama-cpp-python is installed and the GGUF converted: a Python process that loads the GGUF of the same
+weights and makes one token. Each is the wall time of the whole process, measured here around it; the
+rounds alternate them, and the table gives medians.
 """
 
 import argparse
@@ -36,6 +39,18 @@ print(next(llm.generate(ids, temp=0.0, top_k=1)))
 """
 
 
+def wait_for_builder(cache: str) -> None:
+    """Until the background builder the first run started is done: it deletes its list of kernels, then
+    holds build.lock while it builds."""
+    import fcntl
+
+    while list(Path(cache, "aot").glob("*/*.json")):
+        time.sleep(0.5)
+    for lock in Path(cache, "aot").glob("*/build.lock"):
+        with open(lock) as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while the builder runs
+
+
 def timed(command: list[str], env: dict | None = None) -> float:
     import os
 
@@ -59,23 +74,35 @@ def main(argv=None) -> None:
     ours = [sys.executable, "-m", "qwen3_scratch.generate", "--model", str(with_tokenizer), "--prompt", "Hi",
             "--max-new-tokens", "1", "--temperature", "0", "--dtype", "bfloat16" if quantized else args.dtype] \
         + (["--quantize", args.dtype] if quantized else [])  # fmt: skip
-    theirs = [sys.executable, "-c", LLAMA, str(gguf_path(checkpoint, args.dtype))]
-    runs = {"ours, first run (empty kernel cache)": [], "ours, second run": [], "llama.cpp": []}
+    gguf = gguf_path(checkpoint, args.dtype)
+    theirs = [sys.executable, "-c", LLAMA, str(gguf)] if llama_available() and gguf.exists() else None
+    if theirs is None:
+        print(f"llama.cpp skipped: llama-cpp-python is not installed or {gguf} is missing", flush=True)
+    names = ["ours, first run (empty caches)", "ours, second run (inductor's cache)", "ours, later run (stored kernels)"]
+    runs = {name: [] for name in names + (["llama.cpp"] if theirs else [])}
     for round_index in range(args.repeats):
         with tempfile.TemporaryDirectory() as cache:
-            env = {"TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
-            runs["llama.cpp"].append(timed(theirs))
-            runs["ours, first run (empty kernel cache)"].append(timed(ours, env))
-            runs["ours, second run"].append(timed(ours, env))
+            env = {"TORCHINDUCTOR_CACHE_DIR": cache + "/inductor", "QWEN3_SCRATCH_CACHE": cache, "PYTHONPATH": str(ROOT)}
+            if theirs:
+                runs["llama.cpp"].append(timed(theirs))
+            runs[names[0]].append(timed(ours, env))
+            wait_for_builder(cache)  # it would share the cores with the next run
+            runs[names[1]].append(timed(ours, {**env, "QWEN3_SCRATCH_AOT": "0"}))  # the second start before issue 30
+            runs[names[2]].append(timed(ours, env))
         print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in runs.items()), flush=True)
-    llama = statistics.median(runs["llama.cpp"])
+    base = statistics.median(runs["llama.cpp"]) if theirs else None
     print("\n" + machine_line(machine()))
     print(f"{args.dtype}, process start to first token and exit (median of {args.repeats}):\n")
     table = Table("process", "seconds", "/ llama.cpp", "runs (s)")
     for name, seconds in runs.items():
         median = statistics.median(seconds)
-        table.row(name, f"{median:.2f}", f"{median / llama:.2f}x", ", ".join(f"{s:.2f}" for s in seconds))
+        table.row(name, f"{median:.2f}", f"{median / base:.2f}x" if base else "-", ", ".join(f"{s:.2f}" for s in seconds))
 
+
+def llama_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,186 @@
+"""The compiled CPU kernels, built once per machine and kept on disk, loaded later without the compiler.
+
+Every kernel the decode layout compiles (matvec.kernel: the one-row products, the ops between them,
+int4's quantizer) is a small graph handed to inductor. Inductor's own on-disk cache spares a later
+process the code generation but not inductor itself: its import, its probe of the CPU's vector
+instructions (compiler runs) and the loading of each kernel took ~4.5 s of a ~7 s second start of
+`qwen3-generate` (0.6B shapes, bf16, Intel Xeon with AMX, 2 cores; docs/performance.md, "Cold start,
+issue 30"). Here each kernel is also packaged by AOTInductor (`aoti_compile_and_package`): a .pt2 file
+holding a shared library, loaded by torch's C++ loader (`torch._C._aoti`) in ~3 ms, with no inductor,
+dynamo or sympy imported.
+
+    ~/.cache/qwen3-scratch/aot/<machine>/<kernel>/kernel.pt2, entry.json     ($QWEN3_SCRATCH_CACHE moves it)
+
+<machine> hashes torch's version, the CPU's model name and flags; <kernel> hashes the function's name,
+the source of the model and kernels layers, the argument shapes and dtypes and the constants: a new
+torch, CPU, model shape, dtype or code is a new entry, never an old one reused.
+
+The build costs ~20 s for the first package and ~6 s for each further one (11 kernels at the 0.6B
+shapes: ~150 s), more than the inductor path it replaces, so the first start runs the inductor kernels
+as before and hands the kernels it used to a background builder (aot_build.py: niced, it starts when
+the command exits), once; a line on stderr says so. A package is kept
+only if its outputs equal the inductor kernel's bit for bit on random inputs (both come from the same
+generated code); otherwise the entry says "unverified" and every later start uses inductor. So the
+tokens never depend on which way a kernel was obtained, or on when the build finished.
+
+An entry is trusted only whole: entry.json must name this exact key and the package's sha256. Anything
+else (a torn write, a foreign or corrupt file, a package the loader refuses) is deleted and the kernel
+comes from inductor, so a bad cache costs time, never a wrong answer (tests/test_aot_kernels.py).
+"""
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+CACHE_ENV = "QWEN3_SCRATCH_CACHE"  # the cache's root folder (default ~/.cache/qwen3-scratch)
+FORMAT = 1  # bumped when entry.json or the package layout changes
+PACKAGE, ENTRY = "kernel.pt2", "entry.json"
+
+
+def enabled() -> bool:
+    """QWEN3_SCRATCH_AOT=0 turns stored kernels off (neither loaded nor built): the test suite's setting."""
+    return os.environ.get("QWEN3_SCRATCH_AOT", "1") != "0"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qwen3-scratch") / "aot"
+
+
+@functools.cache
+def machine_key() -> str:
+    """torch's version and the CPU (model name and flags): what a compiled kernel is only valid for."""
+    cpu = ""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = "|".join(line for line in lines if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        cpu = platform.processor()
+    return sha(f"{torch.__version__}|{platform.machine()}|{cpu}")[:16]
+
+
+@functools.cache
+def code_version() -> str:
+    """The source of the layers a kernel's graph is traced from (model/ and kernels/)."""
+    package = Path(__file__).resolve().parents[1]
+    files = sorted([*package.glob("model/*.py"), *package.glob("kernels/*.py")])
+    return sha("".join(f.name + f.read_text() for f in files))[:16]
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def kernel_key(fn, args, constants: dict) -> dict:
+    """Everything a kernel's code depends on, as JSON (also what the builder needs to rebuild it)."""
+    return {
+        "format": FORMAT,
+        "function": f"{fn.__module__}:{fn.__qualname__}",
+        "args": [[list(a.shape), str(a.dtype).removeprefix("torch.")] for a in args],
+        "constants": {name: constants[name] for name in sorted(constants)},
+        "code": code_version(),
+        "machine": machine_key(),
+        "torch": torch.__version__,
+    }
+
+
+def entry_folder(key: dict) -> Path:
+    return cache_root() / key["machine"] / sha(json.dumps(key, sort_keys=True))[:24]
+
+
+def file_sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class PackagedKernel:
+    """An AOTInductor package called like inductor's compiled kernel: tensors in, a tensor or a tuple out."""
+
+    def __init__(self, path: Path, outputs: int):
+        self.runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).run
+        self.outputs = outputs  # 0: the function returns one tensor, not a tuple
+
+    def __call__(self, *args):
+        results = self.runner(list(args))
+        return results[0] if self.outputs == 0 else tuple(results)
+
+
+def load(fn, args, constants: dict):
+    """The stored kernel for fn on these arguments, or None (none stored, unverified, or not trusted)."""
+    if not enabled():
+        return None
+    key = kernel_key(fn, args, constants)
+    folder = entry_folder(key)
+    try:
+        entry = json.loads((folder / ENTRY).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return discard(folder)
+    if entry.get("key") != key:
+        return discard(folder)  # a foreign entry (a hash collision, a hand-copied folder): never trusted
+    if not entry.get("verified"):
+        return None  # the build gave other bits than inductor's kernel: inductor it is, every time
+    try:
+        if file_sha(folder / PACKAGE) != entry["sha256"]:
+            return discard(folder)
+        return PackagedKernel(folder / PACKAGE, entry["outputs"])
+    except Exception:  # the loader refused the library: rebuilt next time, never half-used
+        return discard(folder)
+
+
+def discard(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
+PENDING: dict[str, dict] = {}  # kernels this process compiled with inductor, by entry folder: built later
+
+
+def remember(fn, args, constants: dict) -> None:
+    if not enabled():
+        return
+    key = kernel_key(fn, args, constants)
+    PENDING[str(entry_folder(key))] = key
+
+
+def library_path(name: str, source: str) -> Path:
+    """Where a C++ library built from `source` by inductor's toolchain is kept for later starts (fewrow.py)."""
+    return cache_root() / machine_key() / f"{name}-{sha(source)[:24]}.so"
+
+
+def load_library(name: str, source: str):
+    """The kept library as a ctypes handle, or None (none kept, or its checksum is wrong: then deleted)."""
+    import ctypes
+
+    path = library_path(name, source)
+    if not enabled() or not path.exists():
+        return None
+    checksum = path.with_suffix(".sha256")
+    try:
+        if checksum.read_text() == file_sha(path):
+            return ctypes.CDLL(str(path))
+    except OSError:
+        pass
+    path.unlink(missing_ok=True)
+    checksum.unlink(missing_ok=True)
+    return None
+
+
+def keep_library(name: str, source: str, built: str) -> None:
+    """Copy a library inductor just built (its cache may be cleared, or elsewhere) into ours."""
+    if not enabled():
+        return
+    path = library_path(name, source)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        shutil.copyfile(built, partial)
+        path.with_suffix(".sha256").write_text(file_sha(partial))
+        partial.rename(path)  # the library last: a reader finds its checksum first
+    except OSError:
+        pass  # a read-only home: the next start builds it again

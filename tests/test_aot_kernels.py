@@ -1,0 +1,118 @@
+"""Stored CPU kernels (kernels/aot.py): a start that loads AOTInductor packages generates the tokens of a
+start that built its kernels with inductor and of the eager layers; it imports no compiler; the cache key
+follows shapes, dtype, torch's version and the code; a corrupt, foreign or unverified entry is never used.
+The packages are built once per dtype for the tiny checkpoint (~1-2 min: AOTInductor compiles each)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from checkpoints import build_checkpoint
+
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.generation.loops import generate_tokens
+from qwen3_scratch.kernels import aot, aot_build, fewrow, matvec
+from qwen3_scratch.sampling.logits import LogitsFilter
+
+GREEDY = LogitsFilter(temperature=0.0)
+PROMPT = [[3, 17, 101, 5, 260, 42, 7, 311]]
+
+
+@pytest.fixture
+def kernel_cache(tmp_path, monkeypatch):
+    """A cache of this test's own, turned on, and no kernel kept from an earlier load in this process."""
+    monkeypatch.setenv("QWEN3_SCRATCH_AOT", "1")
+    monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(matvec, "_KERNELS", {})
+    monkeypatch.setattr(aot, "PENDING", {})
+    caches = (fewrow._library, fewrow.unavailable_reason, matvec.unavailable_reason)  # each process's first checks
+    for cached in caches:
+        cached.cache_clear()
+    yield tmp_path / "cache"
+    for cached in caches:
+        cached.cache_clear()
+
+
+def greedy_tokens(path, dtype, optimize="decode") -> list[int]:
+    model = load_model(path, dtype=dtype, optimize=optimize)
+    return torch.cat(list(generate_tokens(model, PROMPT, 12, GREEDY, ignore_eos=True))).tolist()
+
+
+def build_pending() -> list[bool]:
+    return [aot_build.build(key) for key in list(aot.PENDING.values())]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packaged_kernels_give_the_tokens_of_inductor_kernels_and_of_the_eager_layers(tmp_path, kernel_cache, dtype):
+    path = build_checkpoint(tmp_path / "ckpt", dtype=getattr(torch, dtype))
+    built_now = greedy_tokens(path, dtype)  # no cache yet: inductor builds every kernel
+    assert aot.PENDING, "the kernels inductor built were not handed over for packaging"
+    verified = build_pending()
+    assert all(verified), f"packages differ from inductor's kernels: {verified}"
+    matvec._KERNELS.clear()
+    aot.PENDING.clear()
+    loaded = greedy_tokens(path, dtype)  # a later start: every kernel from its package
+    assert all(isinstance(k, aot.PackagedKernel) for k in matvec._KERNELS.values()), "a kernel was not loaded from the cache"
+    assert not aot.PENDING, "a later start found kernels missing from the cache"
+    eager = greedy_tokens(path, dtype, optimize=None)
+    assert loaded == built_now, f"{dtype}: tokens from stored kernels {loaded} differ from freshly built ones {built_now}"
+    assert loaded == eager, f"{dtype}: tokens from stored kernels {loaded} differ from the eager layers' {eager}"
+    # and a new process loads them without importing the compiler
+    code = ("import sys, torch; from qwen3_scratch.checkpoint.weights import load_model; "
+            f"m = load_model({str(path)!r}, dtype=torch.{dtype}, optimize='decode'); "
+            "print(sorted(n for n in ('torch._inductor', 'torch._dynamo', 'sympy') if n in sys.modules))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
+    assert done.stdout.strip() == "[]", f"a start with stored kernels imported {done.stdout.strip()}"
+
+
+def test_the_cache_key_follows_shapes_dtype_torch_version_and_the_machine(kernel_cache, monkeypatch):
+    x, w = torch.empty(1, 64), torch.empty(32, 64, dtype=torch.bfloat16)
+    folder = aot.entry_folder(aot.kernel_key(matvec.matvec, [x, w], {}))
+    others = [aot.kernel_key(matvec.matvec, [x, torch.empty(48, 64, dtype=torch.bfloat16)], {}),
+              aot.kernel_key(matvec.matvec, [x, w.float()], {}),
+              aot.kernel_key(matvec.matvec_int8, [x, w], {})]  # fmt: skip
+    assert len({folder, *map(aot.entry_folder, others)}) == 4, "different shapes, dtypes or functions share an entry"
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    aot.machine_key.cache_clear()
+    try:
+        moved = aot.entry_folder(aot.kernel_key(matvec.matvec, [x, w], {}))
+    finally:
+        aot.machine_key.cache_clear()
+    assert moved.parent != folder.parent and moved != folder, "another torch version would reuse this one's kernels"
+
+
+@pytest.fixture
+def one_stored_kernel(kernel_cache):
+    """A small kernel packaged into the test's cache: (function, arguments, its entry folder)."""
+    args = [torch.randn(1, 64), torch.randn(32, 64)]
+    key = aot.kernel_key(matvec.matvec, args, {})
+    assert aot_build.build(key), "the package differs from inductor's kernel"
+    assert isinstance(aot.load(matvec.matvec, args, {}), aot.PackagedKernel)
+    return args, aot.entry_folder(key)
+
+
+def test_a_corrupt_package_is_deleted_not_loaded(one_stored_kernel):
+    args, folder = one_stored_kernel
+    package = folder / aot.PACKAGE
+    data = bytearray(package.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    package.write_bytes(bytes(data))
+    assert aot.load(matvec.matvec, args, {}) is None, "a package whose checksum is wrong was loaded"
+    assert not folder.exists(), "the corrupt entry was kept, to be tried again at every start"
+    assert not isinstance(matvec.kernel(matvec.matvec, *args), aot.PackagedKernel), "the kernel should come from inductor"
+
+
+def test_a_foreign_or_unverified_entry_is_never_loaded(one_stored_kernel, tmp_path):
+    args, folder = one_stored_kernel
+    entry = json.loads((folder / aot.ENTRY).read_text())
+    shutil.copytree(folder, tmp_path / "saved")
+    (folder / aot.ENTRY).write_text(json.dumps({**entry, "key": {**entry["key"], "args": [[[1, 8], "float32"]]}}))
+    assert aot.load(matvec.matvec, args, {}) is None and not folder.exists(), "an entry for another key was trusted"
+    shutil.copytree(tmp_path / "saved", folder)
+    (folder / aot.ENTRY).write_text(json.dumps({**entry, "verified": False}))
+    assert aot.load(matvec.matvec, args, {}) is None, "a package that differed from inductor's kernel was loaded"
+    assert folder.exists(), "an unverified entry is the decision to use inductor; it should stay"
