@@ -173,3 +173,12 @@ def build_embedding_checkpoint(path, tokenizer_from, *, seed=0, **overrides) -> 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(source / name, path / name)
     return path
+
+
+def one_thread_for_tiny_shapes():
+    """A module fixture's body: torch on one thread while the module runs (tiny shapes on a shared machine:
+    a second thread only waits), then back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

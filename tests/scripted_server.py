@@ -26,6 +26,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "tiny-qwen3"
 NUM_BLOCKS = 96
 BLOCK_SIZE = 16
+# a system prompt over five blocks long: two requests that share it share its full blocks
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, check every number twice, and say so "
+          "when you do not know. The cache keeps the keys and values of every token before this one.")  # fmt: skip
 
 
 class ScriptedRunner:

@@ -14,13 +14,11 @@ from importlib.resources import files
 import httpx
 import pytest
 from make_tiny_checkpoint import make_tiny_checkpoint
-from scripted_server import API_KEY, AUTH, BLOCK_SIZE, MODEL, NUM_BLOCKS, scripted_server
+from scripted_server import API_KEY, AUTH, BLOCK_SIZE, MODEL, NUM_BLOCKS, SYSTEM, scripted_server
 from server_process import start_server, stop_server
 
 from qwen3_scratch.engine.snapshot import block_state
 
-SYSTEM = ("You are a careful assistant. Answer in one short sentence, check every number twice, and say so "
-          "when you do not know. The cache keeps the keys and values of every token before this one.")  # fmt: skip
 
 
 @pytest.fixture(scope="module")

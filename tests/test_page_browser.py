@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from make_tiny_checkpoint import make_tiny_checkpoint
-from scripted_server import API_KEY, AUTH, BLOCK_SIZE, MODEL, scripted_server
+from scripted_server import API_KEY, AUTH, BLOCK_SIZE, MODEL, SYSTEM, scripted_server
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the test extra: pip install -e .[test]")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
@@ -29,8 +29,6 @@ pytestmark = pytest.mark.skipif(
     "apt-get install chromium chromium-driver)",
 )
 DOCS_IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
-SYSTEM = ("You are a careful assistant. Answer in one short sentence, check every number twice, and say so "
-          "when you do not know. The cache keeps the keys and values of every token before this one.")  # fmt: skip
 
 
 @pytest.fixture(scope="module")

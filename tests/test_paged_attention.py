@@ -11,6 +11,7 @@ every test here uses the tiny checkpoint's heads.
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import one_thread_for_tiny_shapes
 from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch import load_model
@@ -26,12 +27,7 @@ from qwen3_scratch.sampling.logits import LogitsFilter
 from qwen3_scratch.sampling.params import SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes on a shared machine: a second thread only waits
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_tiny_shapes)
 
 
 @pytest.fixture(scope="module")
