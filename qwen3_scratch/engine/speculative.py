@@ -27,7 +27,6 @@ per-token processing, which rejection sampling would have to redo for every prop
 """
 
 import json
-from collections import deque
 from dataclasses import dataclass, fields
 
 import torch
@@ -83,13 +82,13 @@ class SpeculativeConfig:
 
 
 class Backoff:
-    """When a sequence proposes: after WINDOW rounds that kept under MIN_RATE of their proposals, it
-    pauses `gap` steps, the gap doubling (up to MAX_GAP) while rounds keep failing, reset by a good round."""
+    """When a sequence proposes: a round that keeps nothing pauses it for `gap` steps, the gap doubling (from
+    PAUSE up to MAX_GAP) while such rounds follow each other; a round that keeps anything brings it back to
+    PAUSE. A sequence whose proposals are never right then spends a round every few dozen, then hundred, steps."""
 
-    WINDOW, MIN_RATE, PAUSE, MAX_GAP = 4, 0.25, 16, 256
+    PAUSE, MAX_GAP = 8, 256
 
     def __init__(self):
-        self.rounds: deque[tuple[int, int]] = deque(maxlen=self.WINDOW)  # (proposed, kept) of recent rounds
         self.paused, self.gap = 0, self.PAUSE
 
     def ready(self) -> bool:
@@ -99,13 +98,10 @@ class Backoff:
         return True
 
     def update(self, proposed: int, kept: int) -> None:
-        self.rounds.append((proposed, kept))
-        if 2 * kept >= proposed:
+        if kept:
             self.gap = self.PAUSE
-        if len(self.rounds) == self.WINDOW:
-            if sum(k for _, k in self.rounds) < self.MIN_RATE * sum(p for p, _ in self.rounds):
-                self.paused, self.gap = self.gap, min(2 * self.gap, self.MAX_GAP)
-                self.rounds.clear()
+        else:
+            self.paused, self.gap = self.gap, min(2 * self.gap, self.MAX_GAP)
 
 
 class SequenceSpeculation:
