@@ -86,7 +86,7 @@ class Backoff:
     PAUSE up to MAX_GAP) while such rounds follow each other; a round that keeps anything brings it back to
     PAUSE. A sequence whose proposals are never right then spends a round every few dozen, then hundred, steps."""
 
-    PAUSE, MAX_GAP = 8, 256
+    PAUSE, MAX_GAP = 16, 256
 
     def __init__(self):
         self.paused, self.gap = 0, self.PAUSE

@@ -65,7 +65,8 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
+    p.add_argument("--workload", choices=["quoting", "no-accept"], help="run only this one (default: both)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s: a tiny model on a shared host)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     checkpoint = args.checkpoint
@@ -83,6 +84,8 @@ def main(argv=None):
           f"k = {args.num_speculative_tokens}, {args.threads} threads, median of {args.repeats}")  # fmt: skip
     table = Table("workload", "plain tok/s", "prompt lookup tok/s", "speed-up", "accepted / proposed")
     for name, work in workloads(args.requests, model.config.vocab_size, args.max_tokens).items():
+        if args.workload not in (None, name):
+            continue
         plain, spec = make(None), make(config)
         throughput(plain, work, "warm"), throughput(spec, work, "warm")
         rates = {"plain": [], "spec": []}
