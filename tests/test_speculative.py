@@ -33,7 +33,7 @@ from qwen3_scratch.cli.flags import speculative_args
 from qwen3_scratch.errors import CheckpointError, GenerationError
 from qwen3_scratch.generation.conversation import ConversationCache
 from qwen3_scratch.generation.pipeline import Pipeline
-from qwen3_scratch.generation.prompt_lookup import PromptLookup
+from qwen3_scratch.sampling.prompt_lookup import PromptLookup
 from qwen3_scratch.generation.speculative import AdaptiveK
 from qwen3_scratch.sampling.params import SamplingParams
 from qwen3_scratch.text.tokenizer import Tokenizer

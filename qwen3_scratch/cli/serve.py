@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens computed per step at most (default %(default)s)")  # fmt: skip
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}' (prompt lookup; default: none)")  # fmt: skip
     p.add_argument("--request-timeout", type=float,
                    help="seconds a request may take, arrival to last token; later it is aborted with 504 (default: none)")  # fmt: skip
     p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
@@ -72,7 +75,7 @@ def load(args: argparse.Namespace):
                kv_cache_memory_gib=args.kv_cache_memory_gib, gpu_memory_utilization=args.gpu_memory_utilization,
                num_blocks=args.num_blocks, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+               tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -61,21 +61,23 @@ def pack(chunks: list[Chunk], block_size: int, scratch_block: int, device, wants
     new token (prompt logprobs), the others get their last token's. width: pad the tables to this many blocks."""
     ids, positions, slots, logits_at, tables = [], [], [], [], []
     for chunk in chunks:
-        seq, start, end = chunk.seq, chunk.start, chunk.end
+        seq, start, end = chunk.seq, chunk.start, chunk.end + len(chunk.proposed)
         table = seq.block_table
         first = len(ids)
-        ids += seq.token_ids[start:end]
+        ids += chunk.new_ids
         positions += range(start, end)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        logits_at += range(first, len(ids)) if id(seq) in wants_all else [len(ids) - 1]
+        # a speculative row needs the logits after its newest token and after each proposal
+        last_few = range(len(ids) - 1 - len(chunk.proposed), len(ids))
+        logits_at += range(first, len(ids)) if id(seq) in wants_all else last_few
         tables.append(table[: -(-end // block_size)])
     W = max(width or 0, max(len(t) for t in tables))
     tables = [t + [scratch_block] * (W - len(t)) for t in tables]
-    lens = [c.end - c.start for c in chunks]
+    lens = [c.end + len(c.proposed) - c.start for c in chunks]
     num_decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     return PackedBatch(as_tensor([ids]), as_tensor([positions]), as_tensor(slots), as_tensor(tables),
-                       as_tensor([c.end for c in chunks]), lens, [c.start for c in chunks], as_tensor(logits_at),
+                       as_tensor([c.end + len(c.proposed) for c in chunks]), lens, [c.start for c in chunks], as_tensor(logits_at),
                        num_decodes, len(chunks))  # fmt: skip
 
 

@@ -10,8 +10,9 @@ One `step()`: the scheduler picks this step's chunks (scheduler.py), the runner 
 the model over the paged cache (model_runner.py, paged_cache.py), each sequence that reached its
 newest token samples one more with its own settings and generator (sampler.py: grammar, logit
 processing, logprobs), and sequences that hit EOS, a stop string, max_tokens or the context end are
-retired at once, returning their blocks. A request with n > 1 is n sequences under one request id,
-told apart by their index; the second and later wait for the first one's prompt to be cached.
+retired at once, returning their blocks. With a speculative_config, decodes first carry prompt
+lookup's proposals into the forward and keep what the target agrees with (speculative.py). A request
+with n > 1 is n sequences under one request id, told apart by their index; the second and later wait for the first one's prompt to be cached.
 
 The tokenizer is used only to turn each sequence's tokens into text (for stop strings and
 streaming); scheduling and the model never see text.
@@ -41,6 +42,7 @@ from .faults import Failed, ForwardHealth, each_alone
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
 from .scheduler import Chunk, ScheduledBatch, Scheduler, Sequence
+from .speculative import SpeculativeConfig, Speculator
 
 log = logging.getLogger("qwen3_scratch.engine")
 
@@ -70,7 +72,9 @@ class LLMEngine:
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
+        speculative_config=None,
     ):
+        """speculative_config: vLLM's, for prompt lookup (speculative.py), as a dict or JSON; None: no speculation."""
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, frozenset(eos_ids)
         self.context = model.config.max_position_embeddings
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.activation_dtype)
@@ -84,6 +88,8 @@ class LLMEngine:
         self.num_aborted = 0
         self.num_failed = 0  # requests failed by a fault of their own (faults.py)
         self.forward_health = ForwardHealth()
+        config = SpeculativeConfig.parse(speculative_config)
+        self.speculator = Speculator(config, self) if config is not None else None
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request: params.n sequences, which join the running batch at a coming step, each
@@ -180,6 +186,8 @@ class LLMEngine:
         self.num_preemptions += len(batch.preempted)
         if batch.empty:
             return []
+        if self.speculator is not None:
+            self.speculator.propose(batch)  # decodes that find proposals carry them into the forward
         chunks = batch.decodes + batch.prefills
         rows = each_alone(lambda some: self._forward(batch, some), chunks)  # (logits, prompt logits), or Failed
         self.forward_health.record(rows)
@@ -196,7 +204,9 @@ class LLMEngine:
             except Exception as error:
                 outputs.append(self.fail(chunk.seq, error))
                 continue
-            if chunk.samples:
+            if chunk.proposed:
+                outputs.append(self._speculated(chunk, logits))
+            elif chunk.samples:
                 sampling.append((chunk.seq, logits))
         tokens = each_alone(lambda some: sampler.sample([seq for seq, _ in some], [row for _, row in some]), sampling)
         for (seq, row), token in zip(sampling, tokens):
@@ -210,6 +220,17 @@ class LLMEngine:
         logits = self.runner.run(part)
         prompt = self.runner.prompt_logits  # this run's
         return [(logits.get(id(chunk.seq)), prompt.get(id(chunk.seq))) for chunk in chunks]
+
+    def _speculated(self, chunk: Chunk, logits: torch.Tensor) -> StepOutput:
+        """A speculative row's tokens, kept and resampled from its logits (1+k, V), as one StepOutput."""
+        try:
+            outputs = self.speculator.accept(chunk, logits)
+        except Exception as error:
+            return self.fail(chunk.seq, error)
+        last = outputs[-1]
+        return StepOutput(last.request_id, [t for out in outputs for t in out.new_token_ids],
+                          "".join(out.new_text for out in outputs), last.finished, last.finish_reason, last.seq,
+                          last.index)  # fmt: skip
 
     def _record_and_append(self, seq: Sequence, row: torch.Tensor, token: int) -> StepOutput:
         try:

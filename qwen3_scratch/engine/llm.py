@@ -32,6 +32,7 @@ from qwen3_scratch.text.tokenizer import Tokenizer
 
 from .embedder import Embedder, EmbeddingOutput, EmbeddingRequestOutput
 from .engine import LLMEngine
+from .speculative import SpeculativeConfig
 
 GIB = 2**30
 
@@ -121,7 +122,9 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         tensor_parallel_size: int = 1,
+        speculative_config: dict | str | None = None,
     ):
+        speculative_config = SpeculativeConfig.parse(speculative_config)  # refused before anything loads
         self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                              verify=verify)  # fmt: skip
         device = pick_device(device)
@@ -151,7 +154,8 @@ class LLM:
                                                             dtype_bytes)  # fmt: skip
             num_blocks = default_num_blocks(self.model.config, dtype_bytes, block_size, kv_cache_memory_gib, max_num_seqs)
         self.engine = LLMEngine(
-            self.model, self.tokenizer, self.eos_ids, num_blocks, block_size, max_num_seqs, max_num_batched_tokens
+            self.model, self.tokenizer, self.eos_ids, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+            speculative_config,
         )
 
     @property

@@ -55,19 +55,20 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
         """Run every chunk in one forward; returns {id(seq): logits (V,)} for the chunks that end at their
-        newest token, and keeps {id(seq): (T, V)} in prompt_logits for those that score their prompt."""
+        newest token ((1+k, V) for a decode with k proposals: after its newest token and after each), and
+        keeps {id(seq): (T, V)} in prompt_logits for those that score their prompt."""
         chunks = batch.decodes + batch.prefills
         scoring = {id(c.seq) for c in batch.prefills if c.seq.wants_prompt_logprobs}
         packed = pack(chunks, self.cache.block_size, self.cache.scratch_block, self.device, scoring)
         logits = self.forward(packed)  # (M, V)
         self.prompt_logits, out, i = {}, {}, 0
         for chunk in chunks:
-            n = chunk.end - chunk.start if id(chunk.seq) in scoring else 1
+            n = chunk.end - chunk.start if id(chunk.seq) in scoring else 1 + len(chunk.proposed)
             rows, i = logits[i : i + n], i + n
             if id(chunk.seq) in scoring:
                 self.prompt_logits[id(chunk.seq)] = rows
             if chunk.samples:
-                out[id(chunk.seq)] = rows[-1]
+                out[id(chunk.seq)] = rows if chunk.proposed else rows[-1]
         return out
 
     def decode(self, chunks: list) -> torch.Tensor:

@@ -56,6 +56,7 @@ class Sequence:
     index: int = 0  # which of its request's n choices this is
     after: "Sequence | None" = None  # a sibling whose prompt must be cached first, so this one shares its blocks
     sampling: object | None = None  # the sampler's per-sequence state (engine/sampler.py), if any
+    speculation: object | None = None  # its prompt lookup and back-off, when the engine speculates (speculative.py)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -73,11 +74,19 @@ class Sequence:
 
 @dataclass
 class Chunk:
-    """A sequence's tokens [start, end) to run this step; `samples` if end reaches its newest token."""
+    """A sequence's tokens [start, end) to run this step; `samples` if end reaches its newest token.
+    A decode may carry proposed tokens to check after its newest one (speculative.py): they run at
+    positions end.., and only those the step keeps join the sequence."""
 
     seq: Sequence
     start: int
     end: int
+    proposed: list[int] = field(default_factory=list)
+
+    @property
+    def new_ids(self) -> list[int]:
+        """The tokens this row runs: the sequence's [start, end), then its proposals."""
+        return self.seq.token_ids[self.start : self.end] + self.proposed
 
     @property
     def samples(self) -> bool:
@@ -86,7 +95,7 @@ class Chunk:
 
 @dataclass
 class ScheduledBatch:
-    decodes: list[Chunk] = field(default_factory=list)  # one token each: batched into one forward
+    decodes: list[Chunk] = field(default_factory=list)  # a newest token each (and its proposals, if speculating)
     prefills: list[Chunk] = field(default_factory=list)  # prompt chunks: one forward each
     preempted: list[Sequence] = field(default_factory=list)
 

@@ -6,7 +6,7 @@ cheap proposes k tokens, and the target model checks all of them in one forward 
 which on a CPU costs about what a one-token step costs (kernels/fewrow.py) and on a GPU even less.
 One round, `speculate` below:
 
-    1. propose up to k tokens after the sequence: prompt lookup (prompt_lookup.py) or a draft model
+    1. propose up to k tokens after the sequence: prompt lookup (sampling/prompt_lookup.py) or a draft model
        (draft_model.py);
     2. run the target once over [newest token, proposals]: k+1 rows of logits (its KV cache gets
        those k+1 slots; rows tell what the target would say after each prefix);
@@ -36,7 +36,7 @@ from qwen3_scratch.sampling.rejection import verify
 
 from .conversation import ConversationCache
 from .draft_model import DraftModel
-from .prompt_lookup import PromptLookup
+from qwen3_scratch.sampling.prompt_lookup import PromptLookup
 from .stats import SpeculationStats
 
 METHODS = ("ngram", "draft")

@@ -6,7 +6,8 @@ against), logits.py (`LogitsFilter`: temperature, top-k, top-p, min-p as pure fu
 of logits and the output so far, in vLLM's order), logprobs.py (scoring tokens), structured.py (a
 grammar's token mask for structured output, with llguidance), after_reasoning.py (that grammar starting
 after `</think>`, the reasoning before it free), rejection.py (which proposed tokens
-speculative decoding keeps: greedy agreement, or rejection sampling with the same filters), defaults.py (the checkpoint's
+speculative decoding keeps: greedy agreement, or rejection sampling with the same filters), prompt_lookup.py (the
+proposals prompt lookup makes, for the loops and the engine alike), defaults.py (the checkpoint's
 generation_config.json and the ids that end a generation).
 
 May import: the package root. Imported by: generation, engine, server, cli.

@@ -234,7 +234,8 @@ class AsyncEngine:
                 self.timing.pop(out.request_id)
                 self.metrics.finished(timing[0], timing[1], now, len(out.seq.output_ids))
             self._deliver(out.request_id, out)
-        self.metrics.step(self.engine, len(outputs), self.engine.num_preemptions - preempted_before)
+        new_tokens = sum(len(out.new_token_ids) for out in outputs)  # a speculative row emits several
+        self.metrics.step(self.engine, new_tokens, self.engine.num_preemptions - preempted_before)
 
     def _answer(self, future: asyncio.Future, value) -> None:
         """Resolve a handler's future from this thread (unless its handler gave up waiting)."""

@@ -37,6 +37,15 @@ class ServingMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.tpot = Histogram("qwen3_time_per_output_token_seconds", "Mean time between a request's output tokens",
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        # speculative decoding (engine/speculative.py), as vLLM's spec_decode counters
+        self.spec = {
+            "num_proposed": Counter("qwen3_spec_proposed_tokens", "Tokens proposed by speculation and checked",
+                                    registry=r),
+            "num_accepted": Counter("qwen3_spec_accepted_tokens", "Proposed tokens the model kept", registry=r),
+            "num_emitted": Counter("qwen3_spec_emitted_tokens",
+                                   "Tokens speculative rows emitted (kept proposals and the model's own)", registry=r),
+        }  # fmt: skip
+        self._spec_seen = dict.fromkeys(self.spec, 0)
         self.window = window_seconds
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
 
@@ -45,6 +54,12 @@ class ServingMetrics:
         self.refresh(engine)
         self.generation_tokens.inc(new_tokens)
         self.preemptions.inc(preempted)
+        speculator = getattr(engine, "speculator", None)
+        if speculator is not None:  # the engine keeps totals; the counters advance by what this step added
+            for name, counter in self.spec.items():
+                total = getattr(speculator, name)
+                counter.inc(total - self._spec_seen[name])
+                self._spec_seen[name] = total
         now = time.monotonic()
         self._recent.append((now, new_tokens))
         self.tokens_per_second.set(self.rate(now))

@@ -57,7 +57,7 @@ from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
 from qwen3_scratch.generation.conversation import ConversationCache  # noqa: E402
 from qwen3_scratch.generation.draft_model import DraftModel  # noqa: E402
 from qwen3_scratch.generation.loops import generate_tokens  # noqa: E402
-from qwen3_scratch.generation.prompt_lookup import PromptLookup  # noqa: E402
+from qwen3_scratch.sampling.prompt_lookup import PromptLookup  # noqa: E402
 from qwen3_scratch.generation.speculative import Speculator  # noqa: E402
 from qwen3_scratch.generation.stats import SpeculationStats, measure_bandwidth  # noqa: E402
 from qwen3_scratch.kernels.fewrow import FewRowLinear  # noqa: E402

@@ -8,20 +8,20 @@ followed its latest earlier occurrence. No second model, no forward pass: a dict
 (transformers' `prompt_lookup_num_tokens`, vLLM's `ngram` method; both take the earliest match, we
 take the latest, which in a repeating answer is the repetition in progress.)
 
-The proposals are checked by the target like any other (speculative.py): a wrong guess costs a longer
+The proposals are checked by the target like any other (generation/speculative.py, engine/speculative.py): a wrong guess costs a longer
 verification forward, never a wrong token.
 """
 
 import torch
 
-from qwen3_scratch.sampling.logits import LogitsFilter
+from .logits import LogitsFilter
 
 
 class PromptLookup:
     """An index of the sequence's n-grams (n = 1..max_ngram) -> where each occurred last, kept up to
     date as the sequence grows, so a proposal costs a few dictionary lookups, not a scan."""
 
-    cost = 0.0  # a proposed token costs nothing next to a forward pass (speculative.AdaptiveK)
+    cost = 0.0  # a proposed token costs nothing next to a forward pass (generation/speculative.AdaptiveK)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
