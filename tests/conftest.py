@@ -17,6 +17,13 @@ for folder in (ROOT / "tests", *SCRIPT_FOLDERS):
 # background builds (kernels/aot.py); tests/test_aot_kernels.py turns it on, with a cache of its own.
 os.environ.setdefault("QWEN3_SCRATCH_AOT", "0")
 
+# A user's process compiles its one model's shapes; this session compiles the kernels of dozens of tiny models'
+# head shapes and dtypes, past dynamo's default of 8 recompiles per function (engine/paged_attention.py would
+# then run its maths uncompiled, and its kernel test would test the eager maths, not the kernel).
+import torch  # noqa: E402
+
+torch._dynamo.config.recompile_limit = 64
+
 # A shell starts a background job (`pytest ... &`) with SIGINT ignored, and every child inherits that: the
 # Ctrl-C tests' commands would never see their SIGINT. Handled (not ignored) here, children start with the default.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

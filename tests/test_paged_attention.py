@@ -156,3 +156,19 @@ def test_the_engine_attends_in_place_and_matches_the_simple_loop_in_bf16(checkpo
     for i, ids in enumerate(prompts):
         alone = [int(t[0]) for t in generate_tokens(model, [ids], 12, LogitsFilter(temperature=0.0))]
         assert outputs[str(i)] == alone, f"request {i} differs from the simple loop"
+
+
+def test_past_dynamos_recompile_limit_the_kernel_runs_its_maths_uncompiled(monkeypatch):
+    """A process that has compiled the kernel for as many head shapes as dynamo allows gets the same maths
+    eagerly, with a warning, instead of an engine step that fails (fullgraph raises at the limit)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    paged_attention._warn_once.cache_clear()  # warned once a process: this test must see its own warning
+    outputs = []
+    with pytest.warns(UserWarning, match="recompile limit"):
+        for D in (8, 24, 40):  # three head sizes: at least two past a limit of one
+            q, kb, vb = torch.randn(2, 4, 1, D), torch.randn(2, 10, 4, D), torch.randn(2, 10, 4, D)
+            tables, valid = torch.randint(0, 10, (2, 3)), torch.ones(2, 3, 4, dtype=torch.bool)
+            got = paged_attention.attend_in_place(q, kb, vb, tables, valid)
+            outputs.append((got, paged_attention.paged_decode_attention(q, kb, vb, tables, valid)))
+    for got, want in outputs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -74,7 +74,18 @@ def attend_in_place(q, key_blocks, value_blocks, tables, valid):
     for tensor, dims in ((q, (0,)), (tables, (0, 1)), (valid, (0, 1, 2)), (key_blocks, (1, 2)), (value_blocks, (1, 2))):
         for dim in dims:  # B; B, W; B, W, bs; NB, bs
             mark(tensor, dim)
-    return _compiled(q, key_blocks, value_blocks, tables, valid)
+    try:
+        return _compiled(q, key_blocks, value_blocks, tables, valid)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        # Each (dtype, K, G, D) is a compile, and dynamo stops at its recompile limit (8): a process that has
+        # served that many head shapes (a test session does) runs the same maths eagerly rather than fail.
+        _warn_once("paged attention: dynamo's recompile limit reached; this head shape runs uncompiled")
+        return paged_decode_attention(q, key_blocks, value_blocks, tables, valid)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 def supported(config: Qwen3Config, device, dtype) -> bool:
