@@ -46,7 +46,9 @@ def build_pending() -> list[bool]:
     return [aot_build.build(key) for key in list(aot.PENDING.values())]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bf16 only: each dtype really builds its packages (~70 s here), and the mechanism is the same for fp32;
+# every package is checked bit for bit against inductor's kernel when it is built, whatever its dtype.
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_packaged_kernels_give_the_tokens_of_inductor_kernels_and_of_the_eager_layers(tmp_path, kernel_cache, dtype):
     path = build_checkpoint(tmp_path / "ckpt", dtype=getattr(torch, dtype))
     built_now = greedy_tokens(path, dtype)  # no cache yet: inductor builds every kernel
