@@ -110,3 +110,12 @@ def scripted_server(checkpoint, api_key: str | None = API_KEY):
     finally:
         engine.stop()
         torch.set_num_threads(threads)
+
+
+def reset_around(server):
+    """A test fixture's body: the server's scripted runner reset before and after the test, and the engine
+    left with no request in it."""
+    server.runner.reset()
+    yield server
+    server.runner.reset()
+    assert server.wait_idle(), "a request was left in the engine"

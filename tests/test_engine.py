@@ -6,6 +6,7 @@ chunks, batches and preemption, a greedy request's tokens must be the ones it ge
 
 import pytest
 import torch
+from checkpoints import one_thread_for_tiny_shapes
 from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch import GenerationError, load_model
@@ -23,13 +24,7 @@ from qwen3_scratch.text.tokenizer import Tokenizer
 GREEDY = LogitsFilter(temperature=0.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: a second intra-op thread only adds barrier waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_tiny_shapes)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ what speculation did on /metrics."""
 import openai
 import pytest
 import torch
+from checkpoints import one_thread_for_tiny_shapes
 from make_tiny_checkpoint import make_tiny_checkpoint
 from openai_server import serving
 from test_speculative_sampling import chi_square, tiny_model
@@ -20,12 +21,7 @@ from qwen3_scratch.text.tokenizer import Tokenizer
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a shared 2-core machine
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_tiny_shapes)
 
 
 @pytest.fixture(scope="module")

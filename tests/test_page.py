@@ -14,7 +14,7 @@ from importlib.resources import files
 import httpx
 import pytest
 from make_tiny_checkpoint import make_tiny_checkpoint
-from scripted_server import API_KEY, AUTH, BLOCK_SIZE, MODEL, NUM_BLOCKS, SYSTEM, scripted_server
+from scripted_server import API_KEY, AUTH, BLOCK_SIZE, MODEL, NUM_BLOCKS, SYSTEM, reset_around, scripted_server
 from server_process import start_server, stop_server
 
 from qwen3_scratch.engine.snapshot import block_state
@@ -27,12 +27,7 @@ def server(tmp_path_factory):
         yield served
 
 
-@pytest.fixture
-def served(server):
-    server.runner.reset()
-    yield server
-    server.runner.reset()
-    assert server.wait_idle(), "a request was left in the engine"
+served = pytest.fixture(reset_around)
 
 
 def chat(system: str, question: str, max_tokens: int = 200) -> dict:

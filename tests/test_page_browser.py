@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from make_tiny_checkpoint import make_tiny_checkpoint
-from scripted_server import API_KEY, AUTH, BLOCK_SIZE, MODEL, SYSTEM, scripted_server
+from scripted_server import API_KEY, AUTH, BLOCK_SIZE, MODEL, SYSTEM, reset_around, scripted_server
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the test extra: pip install -e .[test]")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
@@ -49,12 +49,7 @@ def browser():
     driver.quit()
 
 
-@pytest.fixture
-def served(server):
-    server.runner.reset()
-    yield server
-    server.runner.reset()
-    assert server.wait_idle(), "a request was left in the engine"
+served = pytest.fixture(reset_around)
 
 
 def wait(driver, condition, seconds: float = 30.0, message: str = ""):
