@@ -23,6 +23,7 @@ from qwen3_scratch.errors import InputError, Qwen3Error
 from .flags import (
     OneLineParser,
     check_quantize_flags,
+    exit_without_teardown,
     loading,
     model_flags,
     params_from_args,
@@ -287,3 +288,8 @@ def run(args) -> None:
 
 def main(argv=None) -> int:
     return run_cli(PROG, build_parser(), run, argv)
+
+
+def entry() -> None:
+    """The `qwen3-chat` command (and `python -m qwen3_scratch.chat`): main, then a quick exit."""
+    exit_without_teardown(main())

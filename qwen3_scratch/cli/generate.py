@@ -18,6 +18,7 @@ from .flags import (
     OneLineParser,
     VersionAction,
     check_quantize_flags,
+    exit_without_teardown,
     loading,
     model_flags,
     params_from_args,
@@ -169,3 +170,8 @@ def reasoning_tokens(pipe) -> int:
 
 def main(argv=None) -> int:
     return run_cli(PROG, build_parser(), run, argv)
+
+
+def entry() -> None:
+    """The `qwen3-generate` command (and `python -m qwen3_scratch.generate`): main, then a quick exit."""
+    exit_without_teardown(main())
