@@ -71,6 +71,7 @@ def timed(command: list[str], env: dict | None = None) -> float:
 
 def warm_commands(with_tokenizer: Path, dtype: str) -> dict[str, list[str]]:
     """The three commands' second starts, each ending at its first token (serve: its first ready answer)."""
+    with_tokenizer = with_tokenizer.resolve()  # each command runs in its own checkout (python puts it first on sys.path)
     model = ["--model", str(with_tokenizer), "--dtype", dtype, "--temperature", "0", "--max-new-tokens", "1"]
     return {"qwen3-generate": ["-m", "qwen3_scratch.generate", "--prompt", "Hi", *model],
             "qwen3-chat": ["-m", "qwen3_scratch.chat", *model],
@@ -86,11 +87,11 @@ def timed_warm(name: str, args: list[str], root: Path) -> float:
     env = {**os.environ, "PYTHONPATH": str(root)}
     start = time.perf_counter()
     if not name.startswith("qwen3-serve"):
-        done = subprocess.run([sys.executable, *args], input="Hi\n", capture_output=True, text=True, cwd=ROOT, env=env)
+        done = subprocess.run([sys.executable, *args], input="Hi\n", capture_output=True, text=True, cwd=root, env=env)
         if done.returncode != 0:
             raise SystemExit(f"{name} failed:\n{done.stderr[-2000:]}")
         return time.perf_counter() - start
-    server = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen([sys.executable, *args], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         while server.poll() is None:
             try:
