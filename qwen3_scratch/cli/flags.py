@@ -156,18 +156,16 @@ def parse_logit_bias(items: list[str]) -> dict:
 
 @contextlib.contextmanager
 def loading():
-    """Around a command's imports and model load: Python's cycle collector off, then everything they made
-    frozen out of its sight (gc.freeze) before it is turned back on.
+    """Around a command's imports and model load: Python's cycle collector off, then on again.
 
     torch's import and the model's ~600 modules make ~300k objects that live as long as the process; the
     collector walked them in 3 full collections and many young ones, ~0.15 s of CPU of a ~2 s start
-    (docs/performance.md, "Cold start: second start"), and frozen they are not walked again while tokens
-    are generated. Nothing changes but when memory is scanned: the load makes no cyclic garbage worth it."""
+    (docs/performance.md, "Cold start: second start"). What the load leaves as cyclic garbage (a first
+    start's inductor compiles) is collected as usual once the collector is back; nothing is frozen."""
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
         gc.enable()
 
 
