@@ -1,9 +1,9 @@
 """Where a start of `qwen3-generate` goes: wall and CPU time of each phase, from process start to first token.
 
-    OMP_NUM_THREADS=1 python scripts/bench/start_breakdown.py --model weights/qwen3-0.6b-shapes-with-tokenizer \
-        --prompt Hi --max-new-tokens 1 --temperature 0 --dtype bfloat16
+    OMP_NUM_THREADS=1 python scripts/bench/start_breakdown.py [qwen3-generate's arguments]
 
-The arguments are qwen3-generate's. Each phase is a function of ours wrapped with a timer (so nested phases
+Without arguments: the 0.6B shapes with Qwen3's vocabulary (cold_start.py's folder), prompt "Hi", one greedy
+token in bf16. Each phase is a function of ours wrapped with a timer (so nested phases
 are indented and counted in their parent); CPU time is this process's, which neighbours on a shared machine
 inflate less than wall time, above all with one thread (docs/performance.md, "Cold start: second start").
 The imports are timed here, before the command runs, so its own `loading()` does not cover them.
@@ -40,6 +40,10 @@ def wrap(owner, attribute: str, name: str) -> None:
     setattr(owner, attribute, timed)
 
 
+DEFAULT = ["--model", "weights/qwen3-0.6b-shapes-with-tokenizer", "--prompt", "Hi", "--max-new-tokens", "1",
+           "--temperature", "0", "--dtype", "bfloat16"]  # fmt: skip
+
+
 def main() -> None:
     with Phase("import torch"):
         import torch  # noqa: F401
@@ -58,7 +62,7 @@ def main() -> None:
     wrap(aot, "load", "    stored kernel loads")
     wrap(loops, "prefill", "the prompt (prefill)")
     with Phase("the command (all of the above from tokenizer.json on)"):
-        cli.main(sys.argv[1:])
+        cli.main(sys.argv[1:] or DEFAULT)
     TOTALS["in this process"] = [1, time.perf_counter() - START_WALL, time.process_time() - START_CPU]
     print(f"\n| phase | calls | wall ms | CPU ms |\n|---|---:|---:|---:|", file=sys.stderr)
     for name, (calls, wall, cpu) in TOTALS.items():
