@@ -4,6 +4,6 @@ Only an entry point: nothing imports this module, so no library module is ever a
 """
 
 if __name__ == "__main__":
-    from qwen3_scratch.cli.chat import main
+    from qwen3_scratch.cli.chat import entry
 
-    raise SystemExit(main())
+    entry()

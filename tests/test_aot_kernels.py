@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from checkpoints import build_checkpoint
+from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.generation.loops import generate_tokens
@@ -50,7 +50,7 @@ def build_pending() -> list[bool]:
 # every package is checked bit for bit against inductor's kernel when it is built, whatever its dtype.
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_packaged_kernels_give_the_tokens_of_inductor_kernels_and_of_the_eager_layers(tmp_path, kernel_cache, dtype):
-    path = build_checkpoint(tmp_path / "ckpt", dtype=getattr(torch, dtype))
+    path = make_tiny_checkpoint(tmp_path / "tiny-qwen3")  # bf16, with a tokenizer: the CLI runs on it below
     built_now = greedy_tokens(path, dtype)  # no cache yet: inductor builds every kernel
     assert aot.PENDING, "the kernels inductor built were not handed over for packaging"
     verified = build_pending()
@@ -63,12 +63,15 @@ def test_packaged_kernels_give_the_tokens_of_inductor_kernels_and_of_the_eager_l
     eager = greedy_tokens(path, dtype, optimize=None)
     assert loaded == built_now, f"{dtype}: tokens from stored kernels {loaded} differ from freshly built ones {built_now}"
     assert loaded == eager, f"{dtype}: tokens from stored kernels {loaded} differ from the eager layers' {eager}"
-    # and a new process loads them without importing the compiler
-    code = ("import sys, torch; from qwen3_scratch.checkpoint.weights import load_model; "
-            f"m = load_model({str(path)!r}, dtype=torch.{dtype}, optimize='decode'); "
-            "print(sorted(n for n in ('torch._inductor', 'torch._dynamo', 'sympy') if n in sys.modules))")  # fmt: skip
+    # and a new `qwen3-generate` loads them without importing the compiler, transformers or the Hub's client
+    heavy = ("torch._inductor", "torch._dynamo", "sympy", "transformers", "huggingface_hub.utils")
+    code = ("import sys; from qwen3_scratch.cli.generate import main; "
+            f"main(['--model', {str(path)!r}, '--prompt', 'Hi', '--max-new-tokens', '4', '--dtype', {dtype!r}]); "
+            f"print(sorted(n for n in {heavy!r} if n in sys.modules))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
-    assert done.stdout.strip() == "[]", f"a start with stored kernels imported {done.stdout.strip()}"
+    imported = done.stdout.strip().splitlines()[-1]
+    assert imported == "[]", f"a start with stored kernels imported {imported}"
+    assert "building" not in done.stderr, f"a start with every kernel stored built some again: {done.stderr}"
 
 
 def test_the_cache_key_follows_shapes_dtype_torch_version_and_the_machine(kernel_cache, monkeypatch):

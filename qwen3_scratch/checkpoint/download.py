@@ -23,9 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import constants
-from huggingface_hub.utils import HfHubHTTPError, hf_raise_for_status
-from huggingface_hub.utils import tqdm as ProgressBar
+from huggingface_hub import constants  # huggingface_hub.utils (~0.1 s of imports) only once the Hub is asked
 
 from qwen3_scratch.errors import HubError
 
@@ -130,6 +128,8 @@ class _Transfer:
         self.hasher = _hash_prefix(partial, self.have, remote)  # resuming must hash what is already there
 
     def run(self) -> None:
+        from huggingface_hub.utils import tqdm as ProgressBar
+
         with ProgressBar(total=self.remote.size, initial=self.have, unit="B", unit_scale=True, unit_divisor=1024,
                          desc=self.remote.name, disable=not self.progress) as self.bar:  # fmt: skip
             for reconnect in range(self.limits.retries + 1):
@@ -194,6 +194,8 @@ def fetch_json(session, url: str, limits: DownloadLimits, *, headers) -> object:
 @contextlib.contextmanager
 def _stream(session, url, headers, timeout):
     """A streamed GET that has raised huggingface_hub's error for any 4xx/5xx, reading a bounded error page."""
+    from huggingface_hub.utils import HfHubHTTPError, hf_raise_for_status
+
     with session.stream("GET", url, headers=headers, timeout=timeout, follow_redirects=True) as response:
         if response.status_code >= 400:
             page = b""
@@ -255,6 +257,8 @@ def is_transport_error(error: BaseException) -> bool:
     huggingface_hub 2.x raises httpx2's errors, 1.x httpx's; they share no base class with the builtins,
     so they are recognised by their library. HTTP status errors arrive as HfHubHTTPError.
     """
+    from huggingface_hub.utils import HfHubHTTPError
+
     if isinstance(error, HfHubHTTPError) or type(error).__name__ == "HTTPStatusError":
         return False  # the server answered
     library = type(error).__module__.split(".")[0]

@@ -15,14 +15,8 @@ import logging
 import re
 from pathlib import Path
 
-import huggingface_hub
+import huggingface_hub  # itself and its constants import in ~1 ms; its utils (~0.1 s) only once the Hub is asked
 from huggingface_hub import constants
-from huggingface_hub.utils import (
-    GatedRepoError,
-    HfHubHTTPError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
 
 from qwen3_scratch.errors import CheckpointError, HubError, Qwen3Error
 
@@ -208,6 +202,8 @@ def _explain(error: Exception, repo_id: str, revision: str | None, folder: Path,
     huggingface_hub often wraps the real cause (a refused connection inside a LocalEntryNotFoundError), so
     the whole chain is searched, outermost first.
     """
+    from huggingface_hub.utils import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
     for e in _chain(error):
         if isinstance(e, GatedRepoError):
             return (
@@ -240,6 +236,8 @@ def _explain(error: Exception, repo_id: str, revision: str | None, folder: Path,
 
 def is_unreachable(error: Exception) -> bool:
     """A failed connection somewhere in the chain, and no HTTP answer from the Hub above it."""
+    from huggingface_hub.utils import HfHubHTTPError
+
     for e in _chain(error):
         if isinstance(e, HfHubHTTPError):
             return False  # the Hub answered (404, 401...): being offline is not the problem

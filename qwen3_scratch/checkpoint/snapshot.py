@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from huggingface_hub.utils import build_hf_headers, filter_repo_objects, get_session
-
 from qwen3_scratch.errors import CheckpointError, HubError
 
 from .download import DownloadLimits, RemoteFile, fetch_file, fetch_json, matches
@@ -61,6 +59,8 @@ LOCK = Path(".cache") / "qwen3-scratch" / "lock"
 def sync_folder(repo_id: str, revision, folder: Path, *, endpoint: str, verify: bool, limits: DownloadLimits,
                 progress: bool) -> None:  # fmt: skip
     """Make `folder` hold the files we want from `repo_id` at `revision`, each matching the Hub's hash."""
+    from huggingface_hub.utils import build_hf_headers, get_session  # ~0.1 s of imports: only when the Hub is asked
+
     session, headers = get_session(), build_hf_headers()
     commit, files = list_files(session, endpoint, repo_id, revision, limits, headers)
     folder.mkdir(parents=True, exist_ok=True)
@@ -97,6 +97,8 @@ def list_files(session, endpoint, repo_id, revision, limits, headers) -> tuple[s
     try:
         commit = info.get("sha") or revision or "main"
         listed = {s["rfilename"]: s for s in info["siblings"]}
+        from huggingface_hub.utils import filter_repo_objects
+
         wanted = filter_repo_objects(list(listed), allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
         files = [remote_file(name, listed[name]) for name in wanted]
     except (AttributeError, KeyError, TypeError, ValueError) as e:

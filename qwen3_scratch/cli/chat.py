@@ -23,6 +23,8 @@ from qwen3_scratch.errors import InputError, Qwen3Error
 from .flags import (
     OneLineParser,
     check_quantize_flags,
+    exit_without_teardown,
+    loading,
     model_flags,
     params_from_args,
     quantize_flags,
@@ -264,13 +266,14 @@ def read_lines(interactive: bool):
 def run(args) -> None:
     check_quantize_flags(args)
     tools = read_tools(args.tools) if args.tools is not None else None
-    params = params_from_args(args)  # impossible flags fail here, before the model loads
-    from qwen3_scratch.generation.pipeline import Pipeline  # torch: imported inside run_cli's Ctrl-C handling
+    with loading():
+        params = params_from_args(args)  # impossible flags fail here, before the model loads
+        from qwen3_scratch.generation.pipeline import Pipeline  # torch: imported inside run_cli's Ctrl-C handling
 
-    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
-                         revision=args.revision, verify=args.verify, quantize=args.quantize,
-                         quantize_group_size=args.quantize_group_size,
-                         tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
+        pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
+                             revision=args.revision, verify=args.verify, quantize=args.quantize,
+                             quantize_group_size=args.quantize_group_size,
+                             tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
     from qwen3_scratch.kernels.aot_build import start_background_build
 
     start_background_build()  # the kernels inductor built, packaged for later starts (once)
@@ -285,3 +288,8 @@ def run(args) -> None:
 
 def main(argv=None) -> int:
     return run_cli(PROG, build_parser(), run, argv)
+
+
+def entry() -> None:
+    """The `qwen3-chat` command (and `python -m qwen3_scratch.chat`): main, then a quick exit."""
+    exit_without_teardown(main())

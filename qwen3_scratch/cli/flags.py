@@ -11,6 +11,10 @@ instant and every flag is checked before torch loads.
 """
 
 import argparse
+import atexit
+import contextlib
+import gc
+import os
 import sys
 
 from qwen3_scratch.checkpoint.placement import DEFAULT_MODEL, DEVICE_HELP, DTYPE_HELP, DTYPE_NAMES
@@ -26,6 +30,19 @@ FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class VersionAction(argparse.Action):
+    """--version: the installed version, looked up only when asked (qwen3_scratch.__version__ says why)."""
+
+    def __init__(self, option_strings, dest, help="show program's version number and exit"):
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from qwen3_scratch import __version__
+
+        print(f"{parser.prog} {__version__}")  # on stdout, as argparse's own version action
+        parser.exit()
 
 
 def model_flags(p: argparse.ArgumentParser) -> None:
@@ -137,6 +154,21 @@ def parse_logit_bias(items: list[str]) -> dict:
     return bias
 
 
+@contextlib.contextmanager
+def loading():
+    """Around a command's imports and model load: Python's cycle collector off, then on again.
+
+    torch's import and the model's ~600 modules make ~300k objects that live as long as the process; the
+    collector walked them in 3 full collections and many young ones, ~0.15 s of CPU of a ~2 s start
+    (docs/performance.md, "Cold start: second start"). What the load leaves as cyclic garbage (a first
+    start's inductor compiles) is collected as usual once the collector is back; nothing is frozen."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def run_cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
     """Parse argv and run body(args): a Qwen3Error is one line and exit 2, Ctrl-C is exit 130, quietly.
     body may return an exit status of its own (the server's, when its engine died)."""
@@ -149,3 +181,20 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
         print(file=sys.stderr)
         return 130
     return status or 0
+
+
+def exit_without_teardown(status: int):
+    """End a finished command the way the OS would free it, skipping Python's teardown.
+
+    After the last token, the interpreter spent 0.1-0.2 s freeing torch's objects and ~1500 modules one
+    by one (docs/performance.md, "Cold start: second start"); the OS takes that memory back at once. The
+    atexit handlers still run (the tensor-parallel group's close, torch's own) and the output is flushed,
+    so only the freeing is skipped. For the entry points only: main(argv) returns, for callers in Python.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`) or stream: nothing left to write to
+            pass
+    os._exit(status)

@@ -11,13 +11,15 @@ is instant. Every flag is checked before the model loads (or downloads).
 import argparse
 import sys
 
-from qwen3_scratch import __version__
 from qwen3_scratch.errors import InputError
 from qwen3_scratch.text.limits import DEFAULT_BATCH_SIZE, MAX_PROMPT_BYTES
 
 from .flags import (
     OneLineParser,
+    VersionAction,
     check_quantize_flags,
+    exit_without_teardown,
+    loading,
     model_flags,
     params_from_args,
     quantize_flags,
@@ -47,7 +49,7 @@ exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted (Ctrl-C).
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description="Generate text with Qwen3, from scratch in PyTorch.", epilog=EXAMPLES,
                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--version", action=VersionAction)
     model_flags(p)
     p.add_argument("--prompt", action="append", help="the prompt; repeat it to run a batch (default: stdin)")
     p.add_argument("--prompts-file", help="a UTF-8 file with one prompt per line, run --batch-size at a time (default: none)")
@@ -98,14 +100,15 @@ def run(args) -> None:
     if (args.prompt or args.prompts_file) and stdin_waiting(sys.stdin):
         print(f"{PROG}: warning: ignoring stdin, the prompt comes from --prompt/--prompts-file", file=sys.stderr)
     tools = check_reply_flags(args, prompts)
-    params = params_from_args(args)
-    from qwen3_scratch.generation.pipeline import Pipeline
+    with loading():
+        params = params_from_args(args)
+        from qwen3_scratch.generation.pipeline import Pipeline
 
-    pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
-                         revision=args.revision, verify=args.verify, quantize=args.quantize,
-                         quantize_group_size=args.quantize_group_size, use_cache=args.kv_cache,
-                         compile=args.compile, cuda_graphs=args.cuda_graphs, measure_bandwidth=args.show_stats,
-                         tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
+        pipe = Pipeline.load(args.model, args.weights_dir, args.local_files_only, args.device, args.dtype,
+                             revision=args.revision, verify=args.verify, quantize=args.quantize,
+                             quantize_group_size=args.quantize_group_size, use_cache=args.kv_cache,
+                             compile=args.compile, cuda_graphs=args.cuda_graphs, measure_bandwidth=args.show_stats,
+                             tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
     from qwen3_scratch.kernels.aot_build import start_background_build
 
     start_background_build()  # the kernels inductor built, packaged for later starts (once)
@@ -167,3 +170,8 @@ def reasoning_tokens(pipe) -> int:
 
 def main(argv=None) -> int:
     return run_cli(PROG, build_parser(), run, argv)
+
+
+def entry() -> None:
+    """The `qwen3-generate` command (and `python -m qwen3_scratch.generate`): main, then a quick exit."""
+    exit_without_teardown(main())

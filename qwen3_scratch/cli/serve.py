@@ -15,7 +15,7 @@ from qwen3_scratch.errors import Qwen3Error
 from qwen3_scratch.server.limits import BODY_TIMEOUT, MAX_BODY_BYTES  # plain numbers: no FastAPI needed yet
 from qwen3_scratch.server.watchdog import DEFAULT_STEP_TIMEOUT
 
-from .flags import OneLineParser, check_quantize_flags, model_flags, quantize_flags, run_cli
+from .flags import OneLineParser, check_quantize_flags, loading, model_flags, quantize_flags, run_cli
 
 PROG = "qwen3-serve"
 
@@ -79,15 +79,16 @@ def load(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    try:
-        from qwen3_scratch.server.app import build_app
-        from qwen3_scratch.server.process import serve as serve_app
-        from qwen3_scratch.server.process import serve_without_engine
-    except ImportError as error:
-        raise Qwen3Error(f"the server needs FastAPI and uvicorn ({error}): pip install -e \".[serve]\"") from error
-    from qwen3_scratch.server.async_engine import AsyncEngine
+    with loading():
+        try:
+            from qwen3_scratch.server.app import build_app
+            from qwen3_scratch.server.process import serve as serve_app
+            from qwen3_scratch.server.process import serve_without_engine
+        except ImportError as error:
+            raise Qwen3Error(f"the server needs FastAPI and uvicorn ({error}): pip install -e \".[serve]\"") from error
+        from qwen3_scratch.server.async_engine import AsyncEngine
 
-    llm = load(args)
+        llm = load(args)
     name = args.served_model_name or args.model
     if llm.is_embedding_model:  # Qwen3-Embedding: /v1/embeddings only, no engine thread, no KV pool
         print("embedding checkpoint: serving /v1/embeddings", file=sys.stderr)

@@ -41,6 +41,7 @@ class Tokenizer:
         self._chat_template = chat_template
         self._template_source = template_source
         self._text_only_backend: tokenizers.Tokenizer | None = None  # see encode(split_special_tokens=True)
+        self._file: Path | None = None  # the tokenizer.json it was read from, if any (see _ids_below)
 
     @classmethod
     def from_checkpoint(cls, path) -> "Tokenizer":
@@ -52,10 +53,12 @@ class Tokenizer:
         _check_added_tokens(backend, config, folder / CONFIG_FILE)
         # transformers lets a separate chat_template.jinja win over the config's copy; so do we.
         if (folder / TEMPLATE_FILE).exists():
-            template = read_text(folder / TEMPLATE_FILE)
-            return cls(backend, config, template, printable(folder / TEMPLATE_FILE))
-        template = _default_template(config.get("chat_template"))
-        return cls(backend, config, template, f"{printable(folder / CONFIG_FILE)} (chat_template)")
+            tokenizer = cls(backend, config, read_text(folder / TEMPLATE_FILE), printable(folder / TEMPLATE_FILE))
+        else:
+            template = _default_template(config.get("chat_template"))
+            tokenizer = cls(backend, config, template, f"{printable(folder / CONFIG_FILE)} (chat_template)")
+        tokenizer._file = folder / TOKENIZER_FILE
+        return tokenizer
 
     def encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Control tokens written in the text (e.g. <|im_start|>) become their ids,
@@ -111,7 +114,9 @@ class Tokenizer:
         an EOS token that is not in the vocabulary would never stop a generation.
         """
         folder = Path(folder)
-        largest = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        largest = -1
+        if not self._ids_below(vocab_size):  # not known from the file's text: list the vocabulary
+            largest = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
         if largest >= vocab_size:
             raise CheckpointError(
                 f"{printable(folder / TOKENIZER_FILE)} has token ids up to {largest}, but "
@@ -123,6 +128,22 @@ class Tokenizer:
             if token is not None and self.token_to_id(token) is None:
                 raise CheckpointError(f"{printable(folder / CONFIG_FILE)}: {name} {printable(repr(token), 80)} is "
                                       f"not a token of {TOKENIZER_FILE}; the two files are from different checkpoints")  # fmt: skip
+
+    def _ids_below(self, limit: int) -> bool:
+        """True if the tokenizer.json this was read from certainly holds no id >= limit; False: not known.
+
+        Read from the file's text: every id in it follows a key's colon (`"token": id` in the vocabulary,
+        `"id": id` for an added token), so the numbers after a colon with as many digits as `limit` bound
+        every id. ~25 ms for Qwen3's 151k tokens, where listing the vocabulary (get_vocab, a dict of 151k
+        entries) took ~130 ms of every start; when the bound is not below `limit`, the caller lists it."""
+        try:
+            text = self._file.read_text(encoding="utf-8") if self._file is not None else None
+        except (OSError, UnicodeError):
+            text = None
+        if text is None:
+            return False
+        pattern = r'"\s*:\s*(\d{%d,})' % len(str(limit))  # fewer digits than `limit`: below it
+        return all(int(number) < limit for number in re.findall(pattern, text))
 
     @property
     def chat_template(self) -> str | None:

@@ -13,6 +13,13 @@ before issue 30) and a *later run* (every kernel loaded from its AOTInductor pac
 llama-cpp-python is installed and the GGUF converted: a Python process that loads the GGUF of the same
 weights and makes one token. Each is the wall time of the whole process, measured here around it; the
 rounds alternate them, and the table gives medians.
+
+    python scripts/bench/cold_start.py --warm [--baseline /tmp/base]    # second starts only, ~1 min
+
+--warm times later runs only, with the kernels already stored in the cache ($QWEN3_SCRATCH_CACHE or the
+default; run the command once and let its builder finish first): `qwen3-generate` to its first token,
+`qwen3-chat` answering one line with one token, `qwen3-serve` until /health answers; with --baseline,
+the same commands from another checkout (e.g. `git worktree add /tmp/base <commit>`) alternate with ours.
 """
 
 import argparse
@@ -62,14 +69,76 @@ def timed(command: list[str], env: dict | None = None) -> float:
     return seconds
 
 
+def warm_commands(with_tokenizer: Path, dtype: str) -> dict[str, list[str]]:
+    """The three commands' second starts, each ending at its first token (serve: its first ready answer)."""
+    with_tokenizer = with_tokenizer.resolve()  # each command runs in its own checkout (python puts it first on sys.path)
+    model = ["--model", str(with_tokenizer), "--dtype", dtype, "--temperature", "0", "--max-new-tokens", "1"]
+    return {"qwen3-generate": ["-m", "qwen3_scratch.generate", "--prompt", "Hi", *model],
+            "qwen3-chat": ["-m", "qwen3_scratch.chat", *model],
+            "qwen3-serve (to ready)": ["-m", "qwen3_scratch.serve", "--model", str(with_tokenizer), "--dtype", dtype,
+                                       "--port", "8391"]}  # fmt: skip
+
+
+def timed_warm(name: str, args: list[str], root: Path) -> float:
+    """One start of a command from the checkout at `root`: the whole process, or for the server, until /health answers."""
+    import os
+    import urllib.request
+
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    start = time.perf_counter()
+    if not name.startswith("qwen3-serve"):
+        done = subprocess.run([sys.executable, *args], input="Hi\n", capture_output=True, text=True, cwd=root, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{done.stderr[-2000:]}")
+        return time.perf_counter() - start
+    server = subprocess.Popen([sys.executable, *args], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while server.poll() is None:
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:8391/health", timeout=1):
+                    return time.perf_counter() - start
+            except OSError:
+                time.sleep(0.02)
+        raise SystemExit(f"{name} exited:\n{server.stderr.read().decode()[-2000:]}")
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def warm(args, with_tokenizer: Path) -> None:
+    """Second starts only: ours (and --baseline's) commands, alternating, medians."""
+    trees = {"ours": ROOT, **({"baseline": Path(args.baseline).resolve()} if args.baseline else {})}
+    commands = warm_commands(with_tokenizer, args.dtype)
+    runs = {(tree, name): [] for name in commands for tree in trees}
+    gguf = gguf_path(Path(args.checkpoint), args.dtype)
+    if llama_available() and gguf.exists():
+        runs["llama.cpp", "llama-cpp-python, one token"] = []
+    for round_index in range(args.repeats):
+        for (tree, name), seconds in runs.items():
+            if tree == "llama.cpp":
+                seconds.append(timed([sys.executable, "-c", LLAMA, str(gguf)]))
+            else:
+                seconds.append(timed_warm(name, commands[name], trees[tree]))
+        print(f"round {round_index + 1}: " + ", ".join(f"{t} {n} {v[-1]:.2f} s" for (t, n), v in runs.items()), flush=True)
+    print("\n" + machine_line(machine()))
+    print(f"{args.dtype}, second start (kernels stored), process start to first token (median of {args.repeats}):\n")
+    table = Table("command", "checkout", "seconds", "runs (s)", text_columns=2)
+    for (tree, name), seconds in runs.items():
+        table.row(name, tree, f"{statistics.median(seconds):.2f}", ", ".join(f"{s:.2f}" for s in seconds))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", default="weights/qwen3-0.6b-shapes", help="the shape checkpoint (its GGUF beside it)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8", "int4"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warm", action="store_true", help="second starts only, the kernels already stored (see above)")
+    p.add_argument("--baseline", help="with --warm: another checkout whose commands alternate with ours")
     args = p.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     with_tokenizer = checkpoint.parent / (checkpoint.name + "-with-tokenizer")
+    if args.warm:
+        return warm(args, with_tokenizer)
     quantized = args.dtype in ("int8", "int4")
     ours = [sys.executable, "-m", "qwen3_scratch.generate", "--model", str(with_tokenizer), "--prompt", "Hi",
             "--max-new-tokens", "1", "--temperature", "0", "--dtype", "bfloat16" if quantized else args.dtype] \
