@@ -159,6 +159,19 @@ def test_module_entry_point_streams_from_stdin(tiny):
     assert result.stdout.endswith("\n")
 
 
+def test_a_reader_that_stops_early_ends_the_command_quietly(tiny):
+    """`qwen3-generate ... | head -c 1`: the closed pipe ends the command with SIGPIPE's status, no traceback."""
+    command = [sys.executable, "-m", "qwen3_scratch.generate", "--model", str(tiny), "--max-new-tokens", "300",
+               "--temperature", "0", "--ignore-eos", "--prompt", "Hi"]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        process.stdout.read(1)
+        process.stdout.close()  # the reader is gone; the command's next write meets a closed pipe
+        stderr = process.stderr.read().decode()
+        status = process.wait(timeout=120)
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+    assert status == 141, f"exit status {status}, stderr: {stderr[-500:]}"
+
+
 def test_hub_id_is_downloaded_into_weights_dir_then_generates(tiny, capsys, tmp_path, monkeypatch):
     """The main path end to end: `--model org/name` downloads (from a fake Hub here), verifies, generates."""
     from fake_hub import make_hf_hermetic, serve_fake_hub

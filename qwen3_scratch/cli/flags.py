@@ -180,7 +180,18 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, body, argv=None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
     return status or 0
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (`qwen3-generate ... | head`): stop quietly with the status a Unix tool
+    killed by SIGPIPE has. stdout is pointed at /dev/null first, so flushing what Python still buffers for it
+    at exit cannot raise a second BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + 13  # SIGPIPE
 
 
 def exit_without_teardown(status: int):
