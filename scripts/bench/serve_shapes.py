@@ -30,7 +30,8 @@ import torch
 from qwen3_scratch.cli.serve import main
 from qwen3_scratch.model.qwen3 import Qwen3
 
-shapes: dict[str, Counter] = {op: Counter() for op in ("tokens", "logits", "decode attention", "prompt attention", "step")}
+OPS = ("tokens", "logits", "decode attention", "prompt attention", "step")
+shapes: dict[str, Counter] = {op: Counter() for op in OPS}
 
 
 def step_shapes(input_ids, cache, logits_at) -> dict:
