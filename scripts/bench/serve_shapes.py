@@ -12,19 +12,25 @@ rows' tokens as one (1, N) sequence. Each `Qwen3.forward` is counted by the shap
   prompt attention  (T, S): each prompt row's queries and keys (SDPA over its gathered blocks)
   step              the whole (N, M, decode (B, W), prompt rows) tuple
 
-The counts go to --shapes-out every 5 s and at exit, with how many distinct values each took, and dynamo's
-compile counters. Caches keyed by shape (oneDNN's primitives, compiled graphs) grow with these numbers, and the
-resident memory with them (docs/performance.md, "Flat memory under serving"), so this is how to see that the
+The counts go to --shapes-out every 5 s and at exit, with how many distinct values each took, when each shape
+was first run (seconds after start), dynamo's compile counters, and a memory sample every 5 s: the resident
+memory, what glibc's malloc holds in use and free (mallinfo2, every arena), and the number of Python objects,
+so that growth can be told apart: new shapes, the allocator keeping freed memory, or objects piling up.
+Caches keyed by shape (oneDNN's primitives, compiled graphs) grow with the shape counts, and the resident
+memory with them (docs/performance.md, "Flat memory under serving"), so this is how to see that the
 engine's buckets (engine/buckets.py) bound them.
 """
 
 import argparse
+import ctypes
+import gc
 import json
 import sys
 import threading
 import time
 from collections import Counter
 
+import psutil
 import torch
 
 from qwen3_scratch.cli.serve import main
@@ -32,6 +38,9 @@ from qwen3_scratch.model.qwen3 import Qwen3
 
 OPS = ("tokens", "logits", "decode attention", "prompt attention", "step")
 shapes: dict[str, Counter] = {op: Counter() for op in OPS}
+first_seen: dict[str, dict] = {op: {} for op in OPS}  # op -> shape -> seconds after start
+memory: list[dict] = []  # a sample every 5 s
+STARTED = time.monotonic()
 
 
 def step_shapes(input_ids, cache, logits_at) -> dict:
@@ -53,9 +62,28 @@ def count_shapes() -> None:
     def counted(self, input_ids, position_ids=None, mask=None, cache=None, *args, **kwargs):
         for op, seen in step_shapes(input_ids, cache, kwargs.get("logits_at")).items():
             shapes[op].update(seen)
+            for shape in seen:
+                first_seen[op].setdefault(shape, round(time.monotonic() - STARTED))
         return forward(self, input_ids, position_ids, mask, cache, *args, **kwargs)
 
     Qwen3.forward = counted
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def sample_memory() -> dict:
+    """RSS, malloc's bytes in use and free-but-held (MiB), Python objects, distinct shapes so far."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    mib = lambda n: round(n / 2**20, 1)  # noqa: E731
+    return {"t": round(time.monotonic() - STARTED), "rss": mib(psutil.Process().memory_info().rss),
+            "malloc_in_use": mib(info.uordblks + info.hblkhd), "malloc_free": mib(info.fordblks),
+            "objects": len(gc.get_objects()), "tokens": len(shapes["tokens"]),
+            "prompt attention": len(shapes["prompt attention"])}  # fmt: skip
 
 
 def summary() -> dict:
@@ -67,6 +95,9 @@ def summary() -> dict:
         "dynamo": {"unique_graphs": stats["stats"]["unique_graphs"], "recompiles": sum(stats["recompiles"].values())},
         "shapes": {op: {str(shape): n for shape, n in sorted(c.items(), key=str)} for op, c in counts.items()
                    if op != "step"},  # fmt: skip
+        "first_seen_s": {op: {str(shape): t for shape, t in seen.items()} for op, seen in first_seen.items()
+                         if op != "step"},  # fmt: skip
+        "memory": memory,
     }
 
 
@@ -78,6 +109,7 @@ def write(path: str) -> None:
 def write_every(path: str, seconds: float = 5.0) -> None:
     while True:
         time.sleep(seconds)
+        memory.append(sample_memory())
         write(path)
 
 
