@@ -46,7 +46,7 @@ class PackedView(PagedView):
     def __init__(self, cache: PagedKVCache, batch: PackedBatch, route: str = "paged"):
         super().__init__(cache, batch.slots, batch.tables)
         self.batch, self.route = batch, route
-        bs, device = cache.block_size, batch.input_ids.device
+        bs = cache.block_size
         if route == "flex":
             self.flex = FlexPagedAttention(batch, bs, cache.num_blocks + 1)
             return
