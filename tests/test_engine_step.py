@@ -13,7 +13,7 @@ from make_tiny_checkpoint import make_tiny_checkpoint
 from qwen3_scratch import GenerationError, load_model
 from qwen3_scratch.engine.batch import decode_padded, pack
 from qwen3_scratch.engine.block_manager import BlockManager
-from qwen3_scratch.engine.cuda_graphs import bucket_for, buckets_up_to
+from qwen3_scratch.engine.buckets import bucket_for, buckets_up_to, padded_size
 from qwen3_scratch.engine.engine import LLMEngine
 from qwen3_scratch.engine.llm import gpu_kv_memory_gib
 from qwen3_scratch.engine.model_runner import ModelRunner
@@ -77,7 +77,8 @@ def test_a_step_of_several_prompts_is_one_forward_and_gives_the_simple_loops_tok
                 got[out.request_id] += out.new_token_ids
             if engine.runner.num_forwards == 1:
                 assert len(calls) == 1, f"the first step prefilled {len(PROMPTS)} prompts in {len(calls)} forwards"
-                assert calls[0] == (1, sum(map(len, PROMPTS))), "one (1, N) forward of every prompt's tokens"
+                N = padded_size(sum(map(len, PROMPTS)))
+                assert calls[0] == (1, N), "one (1, N) forward of every prompt's tokens, padded to a bucket"
     finally:
         handle.remove()
     assert len(calls) == engine.runner.num_forwards == 10, "10 steps (a prefill, 9 decodes), one forward each"
@@ -162,7 +163,7 @@ def test_decode_steps_are_padded_to_a_few_buckets(model):
         run(engine, PROMPTS[:5], 3)
     finally:
         handle.remove()
-    assert calls[0] == (1, sum(map(len, PROMPTS[:5]))), "the first step prefills every prompt"
+    assert calls[0] == (1, padded_size(sum(map(len, PROMPTS[:5])))), "the first step prefills every prompt"
     decode_shapes = set(calls[1:])
     assert decode_shapes == {(1, 8)}, f"5 decode rows run as the bucket of 8, not {decode_shapes}"
 

@@ -13,16 +13,17 @@ Every linear layer, norm and the MLP are per token, so they run once over all N 
 needs the rows, and it reads them from here (packed_view.py). Rows of one token (decodes) come first, so
 that attention can run them as one batch.
 
-Padding (decode_padded): a decode step may be padded up to a bucket of rows (cuda_graphs.py) so that only
-a few shapes ever run. A pad row holds token 0 at position 0, writes its key/value into the pool's scratch
-block (paged_cache.py: never handed to a sequence) and attends over that slot alone; its logits are cut
-off. Nothing it computes reaches a real row: every op outside attention is per token, and attention is
-per row.
+Padding: every step is padded up to a bucket (buckets.py) so that only a few shapes ever run. A decode step
+gets pad rows up to a bucket of rows (decode_padded, the GPU graphs' buckets); any other step one pad row
+of as many tokens as bring N up to a bucket, and pad entries of logits_at up to a bucket of M (step_padded).
+A pad token holds token 0 at position 0, writes its key/value into the pool's scratch block (paged_cache.py:
+never handed to a sequence) and attends over that slot alone; its logits are cut off. Nothing it computes
+reaches a real row: every op outside attention is per token, and attention is per row.
 
 Shapes: N tokens, R rows, W blocks per row (the widest row's, narrower rows padded), bs block_size.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -97,4 +98,23 @@ def decode_padded(batch: PackedBatch, rows: int, scratch_block: int, block_size:
         torch.cat([batch.context_lens, torch.ones(pad, dtype=torch.long, device=device)]),
         batch.query_lens + [1] * pad, batch.starts + [0] * pad,
         torch.arange(rows, device=device), rows, batch.num_real,
+    )  # fmt: skip
+
+
+def step_padded(batch: PackedBatch, tokens: int, logits: int, scratch_block: int, block_size: int) -> PackedBatch:
+    """batch with a pad row of tokens - N tokens after its rows (all at position 0, writing the scratch block's
+    first slot), and logits_at repeated at its last entry up to `logits` entries (their logits are cut off)."""
+    pad, device = tokens - batch.num_tokens, batch.input_ids.device
+    extra = batch.logits_at[-1:].expand(logits - len(batch.logits_at))
+    logits_at = torch.cat([batch.logits_at, extra])
+    if pad <= 0:
+        return replace(batch, logits_at=logits_at)
+    zeros = torch.zeros(1, pad, dtype=torch.long, device=device)
+    scratch = torch.full((pad,), scratch_block * block_size, dtype=torch.long, device=device)
+    table = torch.full((1, batch.tables.shape[1]), scratch_block, dtype=torch.long, device=device)
+    return PackedBatch(
+        torch.cat([batch.input_ids, zeros], 1), torch.cat([batch.positions, zeros], 1),
+        torch.cat([batch.slots, scratch]), torch.cat([batch.tables, table]),
+        torch.cat([batch.context_lens, torch.ones(1, dtype=torch.long, device=device)]),
+        batch.query_lens + [pad], batch.starts + [0], logits_at, batch.num_decodes, batch.num_real,
     )  # fmt: skip

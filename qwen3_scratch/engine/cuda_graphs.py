@@ -5,8 +5,9 @@ each: the host, not the GPU, sets the pace. A CUDA graph records the launches of
 replays them with one call. A graph replays fixed shapes at fixed addresses, so:
 
   - a step of B rows runs in the graph of the smallest bucket >= B (1, 2, 4, 8, 16, 32, then steps of 32
-    up to max_num_seqs), padded with rows that touch only the scratch block (batch.py says why they
-    cannot change a real row); a step above the largest bucket, or with prompt rows, runs eagerly;
+    up to max_num_seqs: buckets.py, the policy all step shapes follow), padded with rows that touch only
+    the scratch block (batch.py says why they cannot change a real row); a step above the largest bucket,
+    or with prompt rows, runs eagerly (padded all the same, batch.step_padded);
   - each bucket's inputs live in static buffers: a PackedBatch whose tensors the graph read at capture.
     A replay copies the real rows in (ids, positions, slots, block tables, context lengths), resets the
     padding, replays, and slices the real rows' logits out. The block tables are as wide as the widest
@@ -26,19 +27,7 @@ from collections.abc import Callable
 import torch
 
 from .batch import PackedBatch
-
-SMALL_BUCKETS = (1, 2, 4, 8, 16, 32)
-
-
-def buckets_up_to(max_rows: int) -> list[int]:
-    """1, 2, 4, 8, 16, 32, then every 32 (vLLM's and nano-vllm's spacing), ending at max_rows."""
-    sizes = [b for b in SMALL_BUCKETS if b < max_rows] + list(range(64, max_rows, 32)) + [max_rows]
-    return sorted(set(sizes))
-
-
-def bucket_for(rows: int, buckets: list[int]) -> int | None:
-    """The smallest bucket that holds `rows`; None above the largest."""
-    return next((b for b in buckets if b >= rows), None)
+from .buckets import bucket_for, buckets_up_to  # noqa: F401 (the bucketing policy lives in buckets.py)
 
 
 class Recorded:

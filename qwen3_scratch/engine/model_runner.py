@@ -16,9 +16,10 @@ Why "paged" on a GPU too, for now: the only GPU run of "flex" (H100, torch 2.11)
 graphs of the paged route would gather every table's whole width each replay. So `route="flex"` (graphs
 with it) is opt-in until a GPU run of scripts/gpu_check.py shows it compiles and wins (docs/gpu.md).
 
-Decode steps (every row one token) are padded up to a bucket of rows (cuda_graphs.py), so that only a
-few shapes ever run; with the flex route on a GPU each bucket's forward is a CUDA graph, captured on
-first use and replayed.
+Every step is padded up to buckets (buckets.py), so that only a few shapes ever run and the caches keyed by
+shape stop growing: a decode step (every row one token) to a bucket of rows, any other step to a bucket of
+tokens and of logits rows (batch.py); each prompt row's queries and keys to theirs (packed_view.py). With the
+flex route on a GPU each decode bucket's forward is a CUDA graph, captured on first use and replayed.
 
 Shapes: N tokens in the step, R rows, M tokens whose logits are kept, V vocab.
 """
@@ -27,8 +28,9 @@ import torch
 
 from qwen3_scratch.model.qwen3 import Qwen3
 
-from .batch import PackedBatch, decode_padded, pack
-from .cuda_graphs import DecodeGraphs, bucket_for, buckets_up_to
+from .batch import PackedBatch, decode_padded, pack, step_padded
+from .buckets import bucket_for, buckets_up_to, padded_size
+from .cuda_graphs import DecodeGraphs
 from .packed_view import PackedView, reference_inputs
 from .paged_cache import PagedKVCache, PagedView
 from .scheduler import ScheduledBatch
@@ -84,13 +86,15 @@ class ModelRunner:
             view = PagedView(self.cache, packed.slots[None], blocks)
             return self.model(packed.input_ids, packed.positions, mask, view, packed.slots,
                               logits_at=packed.logits_at)[0]  # fmt: skip
-        if packed.num_decodes < packed.num_rows:
-            return self._forward(packed, self._view(packed))
+        if packed.num_decodes < packed.num_rows:  # prompt or speculative rows: N and M up to their buckets
+            M, bs = len(packed.logits_at), self.cache.block_size
+            padded = step_padded(packed, padded_size(packed.num_tokens), padded_size(M), self.cache.scratch_block, bs)
+            return self._forward(padded, self._view(padded))[:M]
         if self.graphs is not None:
             logits = self.graphs.run(packed)
             if logits is not None:
                 return logits
-        bucket = bucket_for(packed.num_rows, self.buckets) or packed.num_rows
+        bucket = bucket_for(packed.num_rows, self.buckets) or padded_size(packed.num_rows)
         padded = decode_padded(packed, bucket, self.cache.scratch_block, self.cache.block_size)
         return self._forward(padded, self._view(padded))[: packed.num_rows]
 

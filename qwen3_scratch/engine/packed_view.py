@@ -6,7 +6,9 @@ into their slots of the pool, then attends row by row, by one of three routes, a
 
   - "paged" (the CPU's): the leading decode rows together, as one (B, H, 1, D) batch read in place
     (paged_attention.py) or gathered; each other row (a prompt chunk) alone: its blocks gathered and
-    attended with SDPA under its causal mask, as a prefill of that chunk alone would;
+    attended with SDPA under its causal mask, as a prefill of that chunk alone would. Its queries and keys
+    are padded to buckets (buckets.py; `prompt_row`), since SDPA's CPU kernels are cached per shape;
+    the tokens of a step's pad row (batch.step_padded) attend nothing and get zeros;
   - "flex" (a GPU's): all rows in one FlexAttention call reading the pool in place (flex_paged.py);
   - the reference (`reference_inputs`): the whole step as one row whose keys are every row's blocks,
     gathered end to end, under a block-diagonal causal mask. Plain `PagedView` + the model's own SDPA:
@@ -14,7 +16,7 @@ into their slots of the pool, then attends row by row, by one of three routes, a
     Its cost grows with rows x keys of all rows, so it is not the route a step takes.
 
 Shapes: N tokens, R rows, B decode rows, H query / K kv heads, D head_dim, W blocks per row,
-S keys of one row, bs block_size.
+S keys of one row, Tp, Sp a prompt row's queries and keys padded, bs block_size.
 """
 
 import torch
@@ -24,6 +26,7 @@ from qwen3_scratch.model.qwen3 import one_query_attention
 
 from . import paged_attention
 from .batch import PackedBatch
+from .buckets import padded_size
 from .flex_paged import FlexPagedAttention
 from .paged_cache import PagedKVCache, PagedView
 
@@ -43,23 +46,38 @@ class PackedView(PagedView):
     def __init__(self, cache: PagedKVCache, batch: PackedBatch, route: str = "paged"):
         super().__init__(cache, batch.slots, batch.tables)
         self.batch, self.route = batch, route
-        bs, device = cache.block_size, batch.input_ids.device
+        bs = cache.block_size
         if route == "flex":
             self.flex = FlexPagedAttention(batch, bs, cache.num_blocks + 1)
             return
-        # Made once per forward, used by every layer: the decode rows' table width and valid slots,
-        # and each prompt row's causal mask over its keys (its prefix and itself).
+        # Made once per forward, used by every layer: the decode rows' table width and valid slots, and each
+        # prompt row's padded queries, keys and causal mask (prompt_row).
         B = batch.num_decodes
         decode_ends = batch.ends[:B]
         self.decode_width = batch.tables.shape[1] if B == batch.num_rows else -(-max(decode_ends, default=1) // bs)
         self.refresh()
-        self.prompt_masks = []
-        offset = B
-        for start, n in zip(batch.starts[B:], batch.query_lens[B:]):
-            positions = batch.positions[0, offset : offset + n]
-            keys = torch.arange(start + n, device=device)
-            self.prompt_masks.append((keys[None, :] <= positions[:, None])[None, None])  # (1, 1, T, S)
-            offset += n
+        self.prompt_rows, offset = [], B
+        for r in range(B, batch.num_real):
+            self.prompt_rows.append(self.prompt_row(r, offset))
+            offset += batch.query_lens[r]
+        self.num_pad_tokens = batch.num_tokens - offset  # step_padded's pad row, if any
+
+    def prompt_row(self, r: int, offset: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """(offset, T, causal mask (1, 1, Tp, Sp), block table (1, Sp/bs)) of prompt row r. Its T queries and
+        S keys are padded to buckets (buckets.py): pad queries see key 0 alone and are dropped; pad keys,
+        whole blocks past the row's end (the scratch block where its table ends), are seen by no query."""
+        batch, bs = self.batch, self.cache.block_size
+        n, device = batch.query_lens[r], batch.input_ids.device
+        S = batch.starts[r] + n
+        Tp, Sp = padded_size(n), -(-padded_size(S) // bs) * bs
+        positions = torch.zeros(Tp, dtype=torch.long, device=device)
+        positions[:n] = batch.positions[0, offset : offset + n]
+        keys = torch.arange(Sp, device=device)
+        mask = (keys[None, :] <= positions[:, None])[None, None]  # (1, 1, Tp, Sp)
+        table = batch.tables[r : r + 1, : Sp // bs]
+        if table.shape[1] < Sp // bs:
+            table = F.pad(table, (0, Sp // bs - table.shape[1]), value=self.cache.scratch_block)
+        return offset, n, mask, table
 
     def refresh(self) -> None:
         """Recompute what depends on the batch's tensors, from them alone (no host sync): a CUDA graph
@@ -78,10 +96,10 @@ class PackedView(PagedView):
             return self.flex(q, self.cache.keys[layer], self.cache.values[layer])
         B = self.batch.num_decodes
         parts = [self._decodes(layer, q[:, :, :B])] if B else []
-        offset = B
-        for r, (n, mask) in enumerate(zip(self.batch.query_lens[B:], self.prompt_masks), start=B):
-            parts.append(self._row(layer, r, q[:, :, offset : offset + n], mask))
-            offset += n
+        for offset, n, mask, table in self.prompt_rows:
+            parts.append(self._row(layer, q[:, :, offset : offset + n], mask, table))
+        if self.num_pad_tokens:
+            parts.append(q.new_zeros(*q.shape[:2], self.num_pad_tokens, q.shape[3]))  # (1, H, pad, D), dropped
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     def _decodes(self, layer: int, q) -> torch.Tensor:
@@ -98,13 +116,14 @@ class PackedView(PagedView):
             y = dense_attention(q, keys, values, self.decode_valid[:, None, None, :])
         return y[:, :, 0].transpose(0, 1)[None]  # (B, H, 1, D) -> (1, H, B, D)
 
-    def _row(self, layer: int, r: int, q, mask) -> torch.Tensor:
-        """One prompt row: q (1, H, T, D) over its S keys, gathered, causally -> (1, H, T, D)."""
-        S = mask.shape[-1]
-        table = self.batch.tables[r : r + 1, : -(-S // self.cache.block_size)]  # (1, W)
-        keys = self._gather(self.cache.keys[layer], table)[:, :, :S]  # (1, K, S, D)
-        values = self._gather(self.cache.values[layer], table)[:, :, :S]
-        return dense_attention(q, keys, values, mask)
+    def _row(self, layer: int, q, mask, table) -> torch.Tensor:
+        """One prompt row: q (1, H, T, D), padded to the mask's Tp queries, over its Sp keys -> (1, H, T, D)."""
+        T, Tp = q.shape[2], mask.shape[2]
+        if Tp > T:
+            q = torch.cat([q, q.new_zeros(*q.shape[:2], Tp - T, q.shape[3])], dim=2)  # (1, H, Tp, D)
+        keys = self._gather(self.cache.keys[layer], table)  # (1, K, Sp, D)
+        values = self._gather(self.cache.values[layer], table)
+        return dense_attention(q, keys, values, mask)[:, :, :T]
 
     def _gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Whole blocks of tables (B, W) out of pool (K, slots, D) -> (B, K, W*bs, D), contiguous in (K, B) order."""

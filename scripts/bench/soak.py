@@ -11,7 +11,8 @@ It then sends SIGTERM to a server it started and checks that it exits 0. It exit
 fails: every valid request answered 200 (a 5xx, or a hang past --request-seconds, is a failure);
 every invalid one a 4xx; no block held and nothing running once the clients stopped; the resident
 memory at the end within --max-rss-growth-mb of the memory after warm-up (a bound for gross leaks: the
-memory still rises while shape-keyed caches fill, see docs/performance.md); exit 0 on SIGTERM.
+memory still rises a little while shape-keyed caches meet the last rare buckets, see docs/performance.md,
+"Flat memory under serving"); exit 0 on SIGTERM.
 
 The kinds of request, each client drawing one at a time (seeded by --seed):
   chat, completion  valid, short (1-32 tokens), greedy or sampled, whole or streamed
@@ -233,7 +234,7 @@ def parse_args(argv=None):
     p.add_argument("--request-seconds", type=float, default=120.0, help="a request not answered by then hung")
     p.add_argument("--max-body-bytes", type=int, default=2**20, help="the server's --max-body-bytes")
     p.add_argument("--max-rss-growth-mb", type=float, default=256.0,
-                   help="resident memory may grow this much after the warm-up (shape-keyed caches still fill)")  # fmt: skip
+                   help="resident memory may grow this much after the warm-up (rare buckets still fill caches)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="--num-blocks 256 --shutdown-grace 10",
                    help="more flags for the server it starts")  # fmt: skip
