@@ -220,3 +220,27 @@ def test_llm_with_a_draft_generates_the_plain_llms_text(checkpoint, small_draft)
         texts.append([out.outputs[0].text for out in llm.generate(prompts, params)])
     assert texts[1] == texts[0], "the LLM with a draft answered otherwise"
     assert llm.engine.speculator.method == "draft_model" and llm.engine.speculator.num_proposed > 0
+
+
+def test_the_server_with_a_draft_answers_as_the_plain_one_and_counts_on_metrics(checkpoint, small_draft):
+    import httpx
+    import openai
+    from openai_server import serving
+    from test_engine_speculative import spec_counts
+
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Hello there, how are you?"}], temperature=0,
+               max_tokens=30, extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    answers = []
+    for config in (None, {"model": str(small_draft), "num_speculative_tokens": 3}):
+        llm = LLM(str(checkpoint), num_blocks=64, dtype="float32", local_files_only=True, speculative_config=config)
+        with serving(llm, "tiny") as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            answers.append(client.chat.completions.create(**ask).choices[0].message.content)
+            streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True)
+                               if c.choices)  # fmt: skip
+            assert streamed == answers[-1], "the streamed answer differs from the whole one"
+            metrics = httpx.get(f"{url}/metrics").text
+    assert answers[1] == answers[0], "the draft changed the server's greedy answer"
+    counts = spec_counts(metrics, "draft_model")
+    assert counts["proposed"] > 0 and 0 <= counts["accepted"] <= counts["proposed"], counts
+    assert counts["emitted"] > counts["accepted"], counts
