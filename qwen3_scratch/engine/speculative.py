@@ -39,20 +39,27 @@ from .speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig  # noq
 class Backoff:
     """When a sequence proposes: a round that keeps nothing pauses it for `gap` steps, the gap doubling (from
     PAUSE up to MAX_GAP) while such rounds follow each other; a round that keeps anything brings it back to
-    PAUSE. A sequence whose proposals are never right then spends a round every few dozen, then hundred, steps."""
+    PAUSE. A sequence whose proposals are never right then spends a round every few dozen, then hundred, steps.
 
-    PAUSE, MAX_GAP = 16, 256
+    A sequence whose last round kept nothing proposes only on steps that are multiples of ALIGN (a new one
+    proposes at once: its text may quote from the start): such rounds, mostly wasted where nothing is accepted, then share steps. What a wasted
+    round costs is mostly its step's: a step with one speculative row leaves the one-token decode path (its
+    row attends as a prompt row, its logits are checked apart), and 16 sequences probing at 16 different
+    steps made 37 of 128 steps such steps on the no-accept benchmark (docs/performance.md)."""
+
+    PAUSE, MAX_GAP, ALIGN = 16, 256, 8
 
     def __init__(self):
-        self.paused, self.gap = 0, self.PAUSE
+        self.paused, self.gap, self.kept_last = 0, self.PAUSE, True
 
-    def ready(self) -> bool:
+    def ready(self, step: int) -> bool:
         if self.paused:
             self.paused -= 1
             return False
-        return True
+        return self.kept_last or step % self.ALIGN == 0
 
     def update(self, proposed: int, kept: int) -> None:
+        self.kept_last = kept > 0
         if kept:
             self.gap = self.PAUSE
         else:
@@ -103,6 +110,7 @@ class Speculator:
         self.num_proposed = 0  # tokens proposed and checked by the target
         self.num_accepted = 0  # of those, kept
         self.num_emitted = 0  # tokens speculative rows emitted: the kept ones and the target's own
+        self.num_steps = 0  # steps proposed for (Backoff.ALIGN's clock)
 
     @property
     def method(self) -> str:
@@ -123,10 +131,11 @@ class Speculator:
         # the run emits k + 1 tokens at most: never past max_tokens or the context
         room = min(seq.max_tokens - len(seq.output_ids), self.engine.context - len(seq.token_ids)) - 1
         k = min(self.config.num_speculative_tokens, room)
-        return k if k >= 1 and seq.speculation.backoff.ready() else 0
+        return k if k >= 1 and seq.speculation.backoff.ready(self.num_steps) else 0
 
     def propose(self, batch: ScheduledBatch) -> None:
         """Attach proposals to the batch's decodes that get some, and blocks for them."""
+        self.num_steps += 1
         rows = [(chunk, k) for chunk in batch.decodes for k in [self.budget(chunk.seq)] if k]
         self.proposer.propose(batch, rows)
         # one-token rows first: packed attention batches the leading one-token rows (batch.py)
