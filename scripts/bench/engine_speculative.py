@@ -85,8 +85,8 @@ def main(argv=None):
     model = load_model(checkpoint, dtype=getattr(torch, args.dtype), optimize="batch")
     config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     if args.draft is not None:
-        config = {"model": str(checkpoint if args.draft == "self" else args.draft), "num_speculative_tokens":
-                  args.num_speculative_tokens}  # fmt: skip
+        draft = checkpoint if args.draft == "self" else args.draft
+        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.num_speculative_tokens}
     blocks = args.requests * (-(-(72 + args.max_tokens + 16) // 16)) + 64
     make = lambda spec: LLMEngine(model, None, [], num_blocks=blocks, max_num_seqs=args.requests,  # noqa: E731
                                   speculative_config=spec)  # fmt: skip
