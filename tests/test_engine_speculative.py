@@ -175,8 +175,14 @@ def test_the_speculating_server_answers_as_the_plain_one_and_counts_on_metrics(c
             assert streamed == answers[-1], "the streamed answer differs from the whole one"
             metrics = httpx.get(f"{url}/metrics").text
     assert answers[1] == answers[0], "speculation changed the server's greedy answer"
-    counts = {name: float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("qwen3_spec_")
-              for name in [line.split()[0]]}  # fmt: skip
-    assert counts["qwen3_spec_proposed_tokens_total"] > 0, metrics
-    assert 0 < counts["qwen3_spec_accepted_tokens_total"] <= counts["qwen3_spec_proposed_tokens_total"], counts
-    assert counts["qwen3_spec_emitted_tokens_total"] > counts["qwen3_spec_accepted_tokens_total"], counts
+    counts = spec_counts(metrics, "ngram")
+    assert counts["proposed"] > 0, metrics
+    assert 0 < counts["accepted"] <= counts["proposed"], counts
+    assert counts["emitted"] > counts["accepted"], counts
+
+
+def spec_counts(metrics: str, method: str) -> dict[str, float]:
+    """/metrics' speculation counters for `method`: {"proposed": ..., "accepted": ..., "emitted": ...}."""
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("qwen3_spec_"))
+    return {what: float(samples[f'qwen3_spec_{what}_tokens_total{{method="{method}"}}'])
+            for what in ("proposed", "accepted", "emitted")}  # fmt: skip

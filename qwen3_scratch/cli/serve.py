@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens computed per step at most (default %(default)s)")  # fmt: skip
     p.add_argument("--speculative-config", metavar="JSON",
                    help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}' (prompt lookup; default: none)")  # fmt: skip
+                        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}' (prompt lookup) or '{\"model\": "
+                        "\"Qwen/Qwen3-0.6B\", \"num_speculative_tokens\": 4}' (a draft model with the same "
+                        "tokenizer; default: none)")  # fmt: skip
     p.add_argument("--request-timeout", type=float,
                    help="seconds a request may take, arrival to last token; later it is aborted with 504 (default: none)")  # fmt: skip
     p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,

@@ -10,9 +10,9 @@ One `step()`: the scheduler picks this step's chunks (scheduler.py), the runner 
 the model over the paged cache (model_runner.py, paged_cache.py), each sequence that reached its
 newest token samples one more with its own settings and generator (sampler.py: grammar, logit
 processing, logprobs), and sequences that hit EOS, a stop string, max_tokens or the context end are
-retired at once, returning their blocks. With a speculative_config, decodes first carry prompt
-lookup's proposals into the forward and keep what the target agrees with (speculative.py). A request
-with n > 1 is n sequences under one request id, told apart by their index; the second and later wait for the first one's prompt to be cached.
+retired at once, returning their blocks. With a speculative_config, decodes first carry proposals
+(prompt lookup's, or a draft model's) into the forward and keep what the target agrees with
+(speculative.py). A request with n > 1 is n sequences under one request id, told apart by their index; the second and later wait for the first one's prompt to be cached.
 
 The tokenizer is used only to turn each sequence's tokens into text (for stop strings and
 streaming); scheduling and the model never see text.
@@ -42,7 +42,8 @@ from .faults import Failed, ForwardHealth, each_alone
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
 from .scheduler import Chunk, ScheduledBatch, Scheduler, Sequence
-from .speculative import SpeculativeConfig, Speculator
+from .speculative import Speculator
+from .speculative_config import SpeculativeConfig
 
 log = logging.getLogger("qwen3_scratch.engine")
 
@@ -73,8 +74,11 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         speculative_config=None,
+        draft_model: Qwen3 | None = None,
     ):
-        """speculative_config: vLLM's, for prompt lookup (speculative.py), as a dict or JSON; None: no speculation."""
+        """speculative_config: vLLM's, as a dict or JSON (speculative_config.py): prompt lookup (speculative.py) or a
+        draft model (draft_proposer.py; draft_model: that model loaded, else loaded from the config's "model").
+        None: no speculation."""
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, frozenset(eos_ids)
         self.context = model.config.max_position_embeddings
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.activation_dtype)
@@ -89,7 +93,7 @@ class LLMEngine:
         self.num_failed = 0  # requests failed by a fault of their own (faults.py)
         self.forward_health = ForwardHealth()
         config = SpeculativeConfig.parse(speculative_config)
-        self.speculator = Speculator(config, self) if config is not None else None
+        self.speculator = Speculator(config, self, draft_model) if config is not None else None
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request: params.n sequences, which join the running batch at a coming step, each

@@ -32,7 +32,8 @@ from qwen3_scratch.text.tokenizer import Tokenizer
 
 from .embedder import Embedder, EmbeddingOutput, EmbeddingRequestOutput
 from .engine import LLMEngine
-from .speculative import SpeculativeConfig
+from .draft_proposer import load_draft
+from .speculative_config import SpeculativeConfig
 
 GIB = 2**30
 
@@ -79,9 +80,11 @@ def as_vllm_logprobs(scored, tokenizer: Tokenizer) -> dict[int, Logprob] | None:
     return out
 
 
-def default_num_blocks(config, dtype_bytes: int, block_size: int, memory_gib: float, max_num_seqs: int) -> int:
-    """Blocks that fit in memory_gib, but no more than max_num_seqs full contexts need."""
-    per_block = kv_cache_bytes(config, block_size, bytes_per_value=dtype_bytes)
+def default_num_blocks(config, dtype_bytes: int, block_size: int, memory_gib: float, max_num_seqs: int,
+                       draft_config=None) -> int:  # fmt: skip
+    """Blocks that fit in memory_gib, but no more than max_num_seqs full contexts need. draft_config: a draft
+    model's, whose pool has as many blocks (engine/draft_proposer.py), so each block costs both."""
+    per_block = sum(kv_cache_bytes(c, block_size, bytes_per_value=dtype_bytes) for c in (config, draft_config) if c)
     by_memory = int(memory_gib * GIB) // per_block
     by_use = max_num_seqs * -(-config.max_position_embeddings // block_size)
     return max(1, min(by_memory, by_use))
@@ -138,6 +141,10 @@ class LLM:
         else:
             self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), **layout)
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
+        draft = None
+        if speculative_config is not None and speculative_config.method == "draft_model":  # same placement, unquantized
+            draft = load_draft(speculative_config.model, self.model, self.tokenizer, weights_dir=weights_dir,
+                               local_files_only=local_files_only)
         self.generation_config = load_generation_config(self.checkpoint)
         self.embedder = Embedder(self.model, self.tokenizer)
         self._ids = itertools.count()
@@ -152,10 +159,11 @@ class LLM:
                     kv_cache_memory_gib = gpu_kv_memory_gib(self.model.config, self.model.device,
                                                             gpu_memory_utilization, max_num_batched_tokens,
                                                             dtype_bytes)  # fmt: skip
-            num_blocks = default_num_blocks(self.model.config, dtype_bytes, block_size, kv_cache_memory_gib, max_num_seqs)
+            num_blocks = default_num_blocks(self.model.config, dtype_bytes, block_size, kv_cache_memory_gib,
+                                            max_num_seqs, draft.config if draft is not None else None)  # fmt: skip
         self.engine = LLMEngine(
             self.model, self.tokenizer, self.eos_ids, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-            speculative_config,
+            speculative_config, draft,
         )
 
     @property

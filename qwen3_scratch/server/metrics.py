@@ -37,13 +37,16 @@ class ServingMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.tpot = Histogram("qwen3_time_per_output_token_seconds", "Mean time between a request's output tokens",
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        # speculative decoding (engine/speculative.py), as vLLM's spec_decode counters
+        # speculative decoding (engine/speculative.py), as vLLM's spec_decode counters, labelled by the
+        # proposer (method="ngram" or "draft_model"), so servers running either add up on one dashboard
         self.spec = {
             "num_proposed": Counter("qwen3_spec_proposed_tokens", "Tokens proposed by speculation and checked",
+                                    ["method"], registry=r),
+            "num_accepted": Counter("qwen3_spec_accepted_tokens", "Proposed tokens the model kept", ["method"],
                                     registry=r),
-            "num_accepted": Counter("qwen3_spec_accepted_tokens", "Proposed tokens the model kept", registry=r),
             "num_emitted": Counter("qwen3_spec_emitted_tokens",
-                                   "Tokens speculative rows emitted (kept proposals and the model's own)", registry=r),
+                                   "Tokens speculative rows emitted (kept proposals and the model's own)", ["method"],
+                                   registry=r),
         }  # fmt: skip
         self._spec_seen = dict.fromkeys(self.spec, 0)
         self.window = window_seconds
@@ -58,7 +61,7 @@ class ServingMetrics:
         if speculator is not None:  # the engine keeps totals; the counters advance by what this step added
             for name, counter in self.spec.items():
                 total = getattr(speculator, name)
-                counter.inc(total - self._spec_seen[name])
+                counter.labels(method=speculator.method).inc(total - self._spec_seen[name])
                 self._spec_seen[name] = total
         now = time.monotonic()
         self._recent.append((now, new_tokens))
