@@ -17,6 +17,8 @@ from qwen3_scratch.kernels import matvec as matvec_module
 from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer
 from qwen3_scratch.kernels.matvec import MatvecLinear
 from qwen3_scratch.kernels.quantize import Int8Linear, dequantized_weight, quantize_rows
+from qwen3_scratch.model.config import Qwen3Config
+from qwen3_scratch.model.kv_cache import KVCache, attention_mask
 from qwen3_scratch.model.qwen3 import DecoderLayer
 from qwen3_scratch.sampling.logits import LogitsFilter
 
@@ -106,6 +108,7 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     attention for short contexts off: it is the one part that rounds differently); fp32 within the float
     rounding of fused multiply-adds."""
     monkeypatch.setattr(cpu_decode, "SHORT_CONTEXT", 0)
+    monkeypatch.setattr(cpu_decode, "FLASH_ATTENTION", False)
     model = load_model(bf16_checkpoint if dtype == torch.bfloat16 else tied, dtype=dtype, optimize="decode")
     assert all(type(layer) is CPUDecoderLayer for layer in model.model.layers)
     tokens = ids(1, 40, seed=5)[0].tolist()
@@ -120,10 +123,13 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
         assert worst < 1e-6, f"fp32 decode logits differ by {worst:.2g} of the largest"
 
 
-def test_fp32_attention_for_short_contexts_keeps_bf16_decode_within_the_parity_bounds(bf16_checkpoint):
-    """In bf16 the compiled layers attend in fp32 while the context is short: not bit-identical to the
-    eager layers (scores are not rounded to bf16), but the same greedy choices and logits within bf16's
-    rounding; transformers' greedy tokens are checked by test_optimized_bf16_greedy_tokens_equal_transformers."""
+@pytest.mark.parametrize("flash", [False, True], ids=["fp32-attention", "flash-attention"])
+def test_decode_attention_keeps_bf16_decode_within_the_parity_bounds(bf16_checkpoint, flash, monkeypatch):
+    """In bf16 the compiled layers attend in fp32 while the context is short, or with SDPA's flash kernel
+    (on a CPU with AMX): not bit-identical to the eager layers (scores are not rounded to bf16), but the
+    same greedy choices and logits within bf16's rounding; transformers' greedy tokens are checked by
+    test_optimized_bf16_greedy_tokens_equal_transformers (with whichever attention this CPU picks)."""
+    monkeypatch.setattr(cpu_decode, "FLASH_ATTENTION", flash)
     model = load_model(bf16_checkpoint, dtype=torch.bfloat16, optimize="decode")
     tokens = ids(1, 60, seed=6)[0].tolist()
     fast = decode_logits(model, tokens, prompt_len=20).float()  # 40 steps, 20 to 60 slots: fp32 attention
@@ -132,7 +138,28 @@ def test_fp32_attention_for_short_contexts_keeps_bf16_decode_within_the_parity_b
     eager = decode_logits(model, tokens, prompt_len=20).float()
     agree = (fast.argmax(-1) == eager.argmax(-1)).float().mean().item()
     worst = ((fast - eager).abs().max() / eager.abs().max()).item()
-    assert agree >= 0.99 and worst < 0.02, f"fp32 attention: argmax agreement {agree:.1%}, max relative diff {worst:.3g}"
+    assert agree >= 0.99 and worst < 0.02, f"{'flash' if flash else 'fp32'} attention: argmax agreement {agree:.1%}, max relative diff {worst:.3g}"
+
+
+@pytest.mark.parametrize("slots", [64, 192])
+def test_flash_decode_attention_equals_fp32_attention_within_bf16_rounding(slots):
+    """attend_flash (SDPA's kernel on the bf16 cache) against attend_in_fp32 on the same cache, with the
+    new token written at a slot inside the block and the slots past it masked, as a decode step has them."""
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=1)
+    attn = type("Attn", (), dict(layer_index=0, n_heads=4, head_dim=32))()
+    g = torch.Generator().manual_seed(slots)
+    cache = KVCache(config, 1, slots + 16, dtype=torch.bfloat16)
+    cache.keys.normal_(generator=g), cache.values.normal_(generator=g)
+    slot = torch.tensor([slots - 9])
+    mask = attention_mask(slot, cache.key_valid)[..., :slots]  # (1, 1, 1, slots): 8 slots past the token masked
+    q, k, v = (torch.randn(1, h, 1, 32, generator=g).bfloat16() for h in (4, 2, 2))
+    flash = cpu_decode.attend_flash(attn, q, k, v, mask, cache, slot).float()
+    fp32 = cpu_decode.attend_in_fp32(attn, q, k, v, mask, cache, slot).float()
+    assert flash.shape == (1, 1, 128), f"flash attention's output has shape {tuple(flash.shape)}"
+    worst = (flash - fp32).abs().max().item()
+    assert worst < 2**-6, f"flash attention differs from fp32 attention by {worst:.3g} (bf16 rounding is ~{2**-8})"
+    cache.values[0, :, :, slots - 8 :] = 1e4  # the masked slots must not count
+    assert torch.equal(cpu_decode.attend_flash(attn, q, k, v, mask, cache, slot).float(), flash), "masked slots were attended"
 
 
 def test_decode_layout_falls_back_to_the_packed_one_when_inductor_cannot_build(tied, monkeypatch):
