@@ -2,8 +2,8 @@
 writing the checkpoints included):
 
     python scripts/gpu_check.py --out gpu-check/                        # the whole check
-    python scripts/gpu_check.py --out gpu-check/ --steps "int8/int4 8B,transformers 8B"   # a rerun of some
-    python scripts/gpu_check.py --device cpu --sizes tiny --out /tmp/x    # the dry run tests/test_gpu_check.py runs
+    python scripts/gpu_check.py --out gpu-check/ --steps "int8 8B,transformers 8B"   # a rerun of some
+    python scripts/gpu_check.py --smoke --out /tmp/x      # every step on the CPU, tiny (tests/test_gpu_check.py)
 
 Needs torch, transformers, safetensors, tokenizers and huggingface_hub; runs from the source tree (this package
 need not be installed; no pytest plugins, no FastAPI). The steps, in order of what was least measured before,
@@ -62,18 +62,17 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
     worker = [py, str(WORKERS)]
     common = ["--device", args.device, "--weights", str(args.weights), "--new-tokens", str(args.new_tokens)]
     largest, engine = sizes[-1], ([s for s in sizes if not s.endswith("8B")][:1] or sizes[:1])[0]
-    decode = lambda size, variants: worker + ["decode", "--size", size, "--variants", variants] + common  # noqa: E731
-    transformers = lambda size: worker + ["transformers", "--size", size, "--variants", "eager,static-compile"] + common  # noqa: E731, E501
-    quantized = {kind: ",".join(v for v in args.quantized.split(",") if v.startswith(kind)) for kind in ("int4", "int8")}
-    steps = [(f"engine {route}", worker + ["workload", "--size", engine, "--variants", route] + common, "")
-             for route in ("flex", "paged")]  # fmt: skip
-    steps.append((f"int4 {largest}", decode(largest, quantized["int4"]), ""))
+    work = lambda kind, size, variants: worker + [kind, "--size", size, "--variants", variants] + common  # noqa: E731
+    quantized = {k: ",".join(v for v in args.quantized.split(",") if v.startswith(k)) for k in ("int4", "int8")}
+    steps = [(f"engine {route}", work("workload", engine, route), "") for route in ("flex", "paged")]
+    steps.append((f"int4 {largest}", work("decode", largest, quantized["int4"]), ""))
     for i, size in enumerate(sizes):
-        steps.append((f"decode {size}", decode(size, ("bfloat16/eager," if i == 0 else "") + OURS), ""))
-    steps.append((f"int8 {largest}", decode(largest, quantized["int8"]), ""))
-    steps += [(f"transformers {size}", transformers(size), "") for size in sizes]
-    load = [py, str(HERE / "bench" / "benchmark_load.py"), "--device", args.device, "--repeats", "3", "--checkpoint",
-            str(args.weights / f"qwen3-{sizes[0].lower()}-shapes-gpucheck"), "--json", str(args.out / "load.json")]
+        steps.append((f"decode {size}", work("decode", size, ("bfloat16/eager," if i == 0 else "") + OURS), ""))
+    steps.append((f"int8 {largest}", work("decode", largest, quantized["int8"]), ""))
+    steps += [(f"transformers {size}", work("transformers", size, "eager,static-compile"), "") for size in sizes]
+    load = [py, str(HERE / "bench" / "benchmark_load.py"), "--device", args.device, "--repeats", "1" if args.smoke
+            else "3", "--checkpoint", str(args.weights / f"qwen3-{sizes[0].lower()}-shapes-gpucheck"), "--json",
+            str(args.out / "load.json")]  # fmt: skip
     steps.append(("load benchmark", load if cuda or args.smoke else None, "the load benchmark is for a GPU"))
     # test files that import what a GPU machine lacks (FastAPI, openai) fail to collect; the rest run
     tests = [py, "-m", "pytest", "tests", "-o", "addopts=", "-m", "cuda", "-q", "-p", "no:cacheprovider",
@@ -180,7 +179,8 @@ def write_report(report: dict, out: Path) -> None:
              "| step | limit (s) | result |", "|---|---:|---|"]  # fmt: skip
     for name, step in report["steps"].items():
         lines.append(f"| {name} | {step.get('limit_s', '')} | {summary(step)} |")
-    lines += ["", "| size | what | decode tok/s (engine: output tok/s) | % of bandwidth limit | TTFT (s) | warm-up / compile (s) |",
+    lines += ["", "| size | what | decode tok/s (engine: output tok/s) | % of bandwidth limit | TTFT (s) "
+              "| warm-up / compile (s) |",
               "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for step in report["steps"].values():
         for key, r in step.get("results", {}).items():

@@ -21,11 +21,14 @@ from nano_vllm_workload import union_seconds  # noqa: E402
 def dry_run(out: Path, weights: Path, *extra: str) -> tuple[dict, str]:
     # from outside the source tree and without this package on the path, as on the GPU machine
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--weights",
-                           str(weights), *extra], capture_output=True, text=True, timeout=300, cwd=out, env=env)  # fmt: skip
+    command = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--weights", str(weights)]
+    done = subprocess.run(command + list(extra), capture_output=True, text=True, timeout=300, cwd=out, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "] engine flex" in done.stdout, "each step prints a progress line as it starts"
     return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
+
+
+pytestmark = pytest.mark.slow  # ~90 s on the shared 2-core Xeon: seven steps, each a fresh Python with torch
 
 
 @pytest.fixture(scope="module")
