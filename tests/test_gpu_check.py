@@ -24,7 +24,7 @@ def dry_run(out: Path, weights: Path, *extra: str) -> tuple[dict, str]:
     command = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--weights", str(weights)]
     done = subprocess.run(command + list(extra), capture_output=True, text=True, timeout=300, cwd=out, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "] engine flex" in done.stdout, "each step prints a progress line as it starts"
+    assert "] decode tiny (limit " in done.stdout, "each step prints a progress line as it starts"
     return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
 
 
