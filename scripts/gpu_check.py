@@ -2,34 +2,43 @@
 writing the checkpoints included):
 
     python scripts/gpu_check.py --out gpu-check/                        # the whole check
-    python scripts/gpu_check.py --out gpu-check/ --steps "int8/int4 8B,transformers 8B"   # a rerun of some
-    python scripts/gpu_check.py --device cpu --sizes tiny --out /tmp/x    # the dry run tests/test_gpu_check.py runs
+    python scripts/gpu_check.py --out gpu-check/ --steps "int8 8B,transformers 8B"   # a rerun of some
+    python scripts/gpu_check.py --smoke --out /tmp/x      # every step on the CPU, tiny (tests/test_gpu_check.py)
 
 Needs torch, transformers, safetensors, tokenizers and huggingface_hub; runs from the source tree (this package
-need not be installed; no pytest plugins, no FastAPI). The steps, in order of how much their figures matter,
-each in its own process with its own time limit (STEPS, seconds), a failure recorded and the next step run:
+need not be installed; no pytest plugins, no FastAPI). The steps, in order of what was least measured before,
+each in its own process group with its own time limit (STEPS, seconds; killed whole at it, compile workers
+included), a failure recorded and the next step run:
 
-  cuda tests        pytest -m cuda (our CUDA tests: graphs, int8/int4 routes, parity, sync-free decode)
-  decode <size>     ours, bf16, batch 1: the default command (CUDA graphs) and --compile; the first size
-                    also --no-cuda-graphs (eager), the baseline the graphs are measured against
+  engine flex       nano-vLLM's workload through our engine (64 requests), by the GPU default route (FlexAttention
+                    over the pool in place, compiled per decode bucket, CUDA graphs), and the GPU's busy fraction
+                    over a window of its steps (torch.profiler): scripts/bench/nano_vllm_workload.py
+  engine paged      the same by the gathered route, eager (the fallback)
+  int4 <largest>    int4 (tinygemm) compiled, then under graphs (the default command)
+  decode <size>     ours, bf16, batch 1: the default command (CUDA graphs) and --compile; the first size also
+                    --no-cuda-graphs (eager), the baseline the graphs are measured against
+  int8 <largest>    int8 by both routes (gpt-fast's fused cast; torch's int8pack kernel) under graphs, then compiled
   transformers <s>  transformers' generate, eager and with a fixed-length StaticCache (compiled by it)
-  engine workload   nano-vLLM's benchmark through our engine (scripts/bench/nano_vllm_workload.py's run())
-  engine busy       the GPU's busy fraction over an engine run (64 prompts x 32 new tokens), torch.profiler
-  int8/int4 <size>  int8 by both routes (gpt-fast's fused cast; torch's int8pack kernel) and int4, as the
-                    default command, then int8 (fused cast) and int4 with --compile
-for sizes 0.6B and 8B (--sizes); the int8/int4 and transformers steps of the largest size come last. Each
-decode figure is greedy from a 16-token prompt, 128 new tokens (transformers eager: 32), random weights
-of the exact shapes (bf16), against the bandwidth limit measured in the same process.
+  load benchmark    loading the first size's checkpoint onto the GPU
+  cuda tests        pytest -m cuda (our CUDA tests), last: its collection alone is slow
+for sizes 0.6B and 8B (--sizes); the engine runs the smallest dense size. Each decode figure is greedy from a
+16-token prompt, 128 new tokens (transformers eager: 32), random weights of the exact shapes (bf16, drawn on
+the GPU: only transformers and the load benchmark read a checkpoint), against the bandwidth limit measured in
+the same process.
 
 Results go to gpu_check.json and gpu_check.md in --out after every step (and each step's worker writes after
 every measurement), so a run cut short keeps what it measured. No step starts after --deadline seconds,
 and each step's limit is cut to what is left of it. inductor's compiled code is cached on disk
 (~/.cache/qwen3-scratch/inductor), so a rerun on the same machine compiles much less.
+
+`--smoke` runs every step on this machine's CPU with tiny shapes in about a minute (tests/test_gpu_check.py),
+so that a broken check shows up in CI, not in a GPU session.
 """
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,10 +47,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKERS = HERE / "bench" / "gpu_workers.py"
-# seconds each step may take at most, on an H100 (8B: ~16 GB of checkpoint to write, compiles of ~60 s)
-STEPS = {"cuda tests": 75, "decode": 110, "decode 8B": 170, "transformers": 90, "transformers 8B": 120,
-         "engine workload": 90, "engine busy": 60, "int8/int4": 200, "load benchmark": 90}  # fmt: skip
-QUANTIZED = "int8/graphs,int8pack/graphs,int4/graphs,int8/compiled,int4/compiled"
+# seconds each step may take at most, on an H100 (compiles of ~60 s at 8B; the engine's flex route compiles
+# one kernel per decode bucket); their sum exceeds --deadline on purpose: the order says what is cut
+STEPS = {"engine flex": 150, "engine paged": 110, "int4": 150, "decode": 110, "decode 8B": 150, "int8": 150,
+         "transformers": 90, "transformers 8B": 150, "load benchmark": 60, "cuda tests": 240}  # fmt: skip
+SMOKE_LIMIT = 60  # each step of --smoke, on a CPU
+QUANTIZED = "int4/compiled,int4/graphs,int8/graphs,int8pack/graphs,int8/compiled"
 
 
 def plan(args) -> list[tuple[str, list[str] | None, str]]:
@@ -50,29 +61,28 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
     cuda = args.device == "cuda"
     worker = [py, str(WORKERS)]
     common = ["--device", args.device, "--weights", str(args.weights), "--new-tokens", str(args.new_tokens)]
-    largest = sizes[-1]
-    ours = "bfloat16/graphs,bfloat16/compiled"
+    largest, engine = sizes[-1], ([s for s in sizes if not s.endswith("8B")][:1] or sizes[:1])[0]
+    work = lambda kind, size, variants: worker + [kind, "--size", size, "--variants", variants] + common  # noqa: E731
+    quantized = {k: ",".join(v for v in args.quantized.split(",") if v.startswith(k)) for k in ("int4", "int8")}
+    steps = [(f"engine {route}", work("workload", engine, route), "") for route in ("flex", "paged")]
+    steps.append((f"int4 {largest}", work("decode", largest, quantized["int4"]), ""))
+    for i, size in enumerate(sizes):
+        steps.append((f"decode {size}", work("decode", size, ("bfloat16/eager," if i == 0 else "") + OURS), ""))
+    steps.append((f"int8 {largest}", work("decode", largest, quantized["int8"]), ""))
+    steps += [(f"transformers {size}", work("transformers", size, "eager,static-compile"), "") for size in sizes]
+    load = [py, str(HERE / "bench" / "benchmark_load.py"), "--device", args.device, "--repeats", "1" if args.smoke
+            else "3", "--checkpoint", str(args.weights / f"qwen3-{sizes[0].lower()}-shapes-gpucheck"), "--json",
+            str(args.out / "load.json")]  # fmt: skip
+    steps.append(("load benchmark", load if cuda or args.smoke else None, "the load benchmark is for a GPU"))
     # test files that import what a GPU machine lacks (FastAPI, openai) fail to collect; the rest run
     tests = [py, "-m", "pytest", "tests", "-o", "addopts=", "-m", "cuda", "-q", "-p", "no:cacheprovider",
              "--continue-on-collection-errors"]  # fmt: skip
-    steps = [("cuda tests", tests if cuda else None, "no CUDA device (dry run)")]
-    for i, size in enumerate(sizes):
-        variants = ("bfloat16/eager," + ours) if i == 0 else ours
-        steps.append((f"decode {size}", worker + ["decode", "--size", size, "--variants", variants] + common, ""))
-        if size != largest:
-            steps.append((f"transformers {size}", worker + ["transformers", "--size", size, "--variants",
-                                                            "eager,static-compile"] + common, ""))  # fmt: skip
-    engine = [c for c in sizes if not c.endswith("8B")][:1] or sizes[:1]  # the engine runs the smallest dense size
-    steps.append(("engine workload", worker + ["workload", "--size", engine[0]] + common, ""))
-    steps.append(("engine busy", worker + ["busy", "--size", engine[0]] + common, ""))
-    steps.append((f"int8/int4 {largest}", worker + ["decode", "--size", largest, "--variants", args.quantized] + common,
-                  ""))  # fmt: skip
-    steps.append((f"transformers {largest}", worker + ["transformers", "--size", largest, "--variants",
-                                                      "eager,static-compile"] + common, ""))  # fmt: skip
-    load = [py, str(HERE / "bench" / "benchmark_load.py"), "--device", "cuda", "--repeats", "3", "--checkpoint",
-            str(args.weights / f"qwen3-{sizes[0].lower()}-shapes-gpucheck"), "--json", str(args.out / "load.json")]
-    steps.append(("load benchmark", load if cuda else None, "the load benchmark measures loading onto a GPU"))
-    return steps
+    steps.append(("cuda tests", tests if cuda else None, "no CUDA device (a CPU run)"))
+    return [(name, command, why) for name, command, why in steps if command is None or "--variants" not in command
+            or command[command.index("--variants") + 1]]  # a step left with no variants (--quantized) is dropped
+
+
+OURS = "bfloat16/graphs,bfloat16/compiled"
 
 
 def step_limit(name: str) -> float:
@@ -80,20 +90,26 @@ def step_limit(name: str) -> float:
     return STEPS.get(name) or STEPS.get(name.rsplit(" ", 1)[0], 90)
 
 
-def run_step(command: list[str], limit: float, record: Path | None) -> dict:
+def run_step(command: list[str], limit: float, record: Path | None, log: Path) -> dict:
     """A subprocess with a time limit: its exit code, duration, the tail of its output and the JSON record
-    its worker wrote (whatever it measured before it ended, even if it then failed)."""
+    its worker wrote (whatever it measured before it ended, even if it then failed).
+
+    The child leads a process group of its own and writes to a file, not a pipe: at the limit the whole
+    group is killed (inductor's compile workers too), and nothing left holding a pipe can hang the check."""
     start = time.perf_counter()
     # unbuffered, so a step killed at its limit still shows how far it got
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT, env=env)
-        result = {"returncode": done.returncode, "output_tail": (done.stdout + done.stderr)[-2000:]}
-    except subprocess.TimeoutExpired as e:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        tail = text(e.stdout) + text(e.stderr)
-        result = {"returncode": None, "error": f"timed out after {limit:.0f} s", "output_tail": tail[-2000:]}
+    with open(log, "w") as output:
+        child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                 start_new_session=True)  # fmt: skip
+        try:
+            result = {"returncode": child.wait(timeout=limit)}
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            result = {"returncode": None, "error": f"timed out after {limit:.0f} s"}
+    result["output_tail"] = log.read_text(errors="replace")[-2000:]
     result["seconds"] = round(time.perf_counter() - start, 1)
     result["limit_s"] = round(limit)
     if record is not None and record.exists():
@@ -104,14 +120,17 @@ def run_step(command: list[str], limit: float, record: Path | None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="CUDA tests, decode, transformers, int8/int4 and the engine, in one run.")
     p.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json and gpu_check.md")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the dry run")
-    p.add_argument("--sizes", default="0.6B,8B", help="Qwen3 shapes, smallest first ('tiny' for the dry run)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run")
+    p.add_argument("--smoke", action="store_true", help="every step on the CPU with tiny shapes, ~1 minute")
+    p.add_argument("--sizes", default="0.6B,8B", help="Qwen3 shapes, smallest first ('tiny' for a dry run)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--weights", type=Path, default=ROOT / "weights", help="where the random checkpoints go")
     p.add_argument("--deadline", type=float, default=470, help="seconds after which no step starts or runs on")
-    p.add_argument("--quantized", default=QUANTIZED, help="the int8/int4 step's variants (default %(default)s)")
+    p.add_argument("--quantized", default=QUANTIZED, help="the int4 and int8 steps' variants (default %(default)s)")
     p.add_argument("--steps", help="run only these steps (names as in gpu_check.md, comma-separated)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.sizes, args.new_tokens = "cpu", "tiny", min(args.new_tokens, 4)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/gpu_check.py " + " ".join(argv or sys.argv[1:])
     report = {"machine": machine(args.device), "command": command, "steps": {}}
@@ -121,18 +140,19 @@ def main(argv=None) -> int:
         if chosen is not None and name not in chosen:
             continue
         left = args.deadline - (time.perf_counter() - start)
-        limit = min(step_limit(name), left)
+        limit = min(SMOKE_LIMIT if args.smoke else step_limit(name), left)
         print(f"[{time.perf_counter() - start:5.0f} s] {name} (limit {limit:.0f} s)", flush=True)
         if command is None:
             report["steps"][name] = {"skipped": why}
         elif limit < 10:
             report["steps"][name] = {"skipped": f"the deadline of {args.deadline:.0f} s was reached"}
         else:
-            record = args.out / f"{name.replace(' ', '_').replace('/', '-')}.json"
+            stem = args.out / name.replace(" ", "_").replace("/", "-")
+            record = stem.with_suffix(".json")
             record.unlink(missing_ok=True)
             is_worker = command[1] == str(WORKERS)
             report["steps"][name] = run_step(command + (["--out", str(record)] if is_worker else []), limit,
-                                             record if is_worker else None)  # fmt: skip
+                                             record if is_worker else None, stem.with_suffix(".log"))  # fmt: skip
         print(f"         {summary(report['steps'][name])}", flush=True)
         report["elapsed_s"] = round(time.perf_counter() - start, 1)
         write_report(report, args.out)
@@ -159,7 +179,8 @@ def write_report(report: dict, out: Path) -> None:
              "| step | limit (s) | result |", "|---|---:|---|"]  # fmt: skip
     for name, step in report["steps"].items():
         lines.append(f"| {name} | {step.get('limit_s', '')} | {summary(step)} |")
-    lines += ["", "| size | what | decode tok/s | % of bandwidth limit | TTFT (s) | warm-up / compile (s) |",
+    lines += ["", "| size | what | decode tok/s (engine: output tok/s) | % of bandwidth limit | TTFT (s) "
+              "| warm-up / compile (s) |",
               "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for step in report["steps"].values():
         for key, r in step.get("results", {}).items():
@@ -172,11 +193,11 @@ def result_row(size: str, key: str, r: dict) -> str:
         util = f"{r['util']:.0%}" if "util" in r else ""
         key += " (not compiled: transformers compiles on GPUs only)" if r.get("compiled") is False else ""
         return f"| {size} | {key} | {r['decode_tok_s']:.1f} | {util} | {r['ttft_s']:.3f} | {r['warmup_s']:.1f} |"
-    if "gpu_busy_s" in r:
-        fraction = r["gpu_busy_fraction"]
-        busy = "no GPU kernels (CPU run)" if fraction is None else f"GPU busy {fraction:.0%}"
-        run = f"{r['wall_s']:.2f} s, {r['output_tok_s']:.0f} output tok/s, {r['steps']} steps"
-        return f"| {size} | {key} | {busy} of {run} | | | |"
+    if "output_tok_s" in r:  # the engine workload: output tok/s in the tok/s column
+        busy = f"GPU busy {r['gpu_busy']:.0%} over {r['busy_window_steps']} steps" if "gpu_busy" in r else "no GPU"
+        route = r["route"] + (f", fell back: {r['fallback']}" if r.get("fallback") else "")
+        what = f"{key} ({r['requests']} requests, {r['output_tokens']} output tokens; {busy}; ran {route})"
+        return f"| {size} | {what} | {r['output_tok_s']:.1f} | | | {r['warmup_s']:.1f} |"
     if "error" in r or "skipped" in r:
         return f"| {size} | {key} | {r.get('error') or r.get('skipped')} | | | |"
     scalars = {k: v for k, v in r.items() if not isinstance(v, (list, dict))}  # the workload's own figures

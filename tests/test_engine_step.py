@@ -214,9 +214,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_on_a_gpu_graphs_and_flex_attention_give_the_simple_loops_tokens(tmp_path):
     model = load_model(make_tiny_checkpoint(tmp_path / "tiny"), device="cuda")
     engine = LLMEngine(model, None, [], num_blocks=64, block_size=16, max_num_batched_tokens=32)
-    assert engine.runner.route == "paged" and engine.runner.graphs is None, "the GPU default: paged, eager"
-    engine.runner = ModelRunner(model, engine.cache, route="flex", max_rows=engine.scheduler.max_num_seqs)
-    assert engine.runner.graphs is not None, "the flex route replays decode graphs on a GPU"
+    runner = engine.runner
+    assert runner.fallback is None, f"the GPU default, flex, fell back to the gathered route: {runner.fallback}"
+    assert runner.route == "flex" and runner.graphs is not None, "the GPU default: flex, decode graphs replayed"
     got = run(engine, PROMPTS, 12)
     assert engine.runner.graphs.replays > 0
     for i, ids in enumerate(PROMPTS):

@@ -84,7 +84,7 @@ class LLMEngine:
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.activation_dtype)
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs))
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, max_rows=max_num_seqs)  # a decode bucket per batch size
         self.sequences: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
         self.texts: dict[tuple[str, int], TextState] = {}  # (request id, choice index) -> its text
         self._grammars: GrammarCompiler | None = None  # built on the first structured request

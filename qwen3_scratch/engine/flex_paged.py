@@ -28,25 +28,50 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .batch import PackedBatch
 
-_compiled = None
+_compiled = {}  # device type -> flex_attention compiled for static shapes
 
 
-def attention_fn(device: torch.device):
-    """flex_attention compiled where it pays (a GPU: one Triton kernel), eager elsewhere (dense, for tests)."""
-    global _compiled
-    if device.type != "cuda":
-        return flex_attention
-    if _compiled is None:  # a step's token count changes every step: after the first shape, compiled dynamic
-        _compiled = torch.compile(flex_attention)
-    return _compiled
+def kernel_options(query_block: int, block_size: int) -> dict:
+    """The Triton template's tiles: one mask block each. Inductor skips every tile config that does not divide
+    the mask's blocks, and its defaults do not divide 16 x 16 (an H100's bf16 default is 128 x 64; the decode
+    kernel's BLOCK_M is the next power of two of queries x GQA group): with no config left it raised
+    NoValidChoicesError, the first H100 run's failure. vLLM's direct-build FlexAttention passes the same."""
+    return {"BLOCK_M": query_block, "BLOCK_N": block_size, "FORCE_USE_FLEX_ATTENTION": True}
+
+
+def check_block_sizes(query_block: int, block_size: int) -> None:
+    """Triton's tl.dot needs tiles of at least 16, powers of two: a block size that cannot tile raises here,
+    before anything compiles (the runner then falls back to the gathered route, model_runner.py)."""
+    for name, n in (("query block", query_block), ("KV block_size", block_size)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"FlexAttention on a GPU needs a {name} that is a power of two >= 16, not {n}")
+
+
+def compiled_flex(device: torch.device, shapes: int = 16):
+    """flex_attention compiled for static shapes (`dynamic=False`): the route runs it only on decode buckets,
+    whose shapes are fixed (model_runner.py), so each bucket compiles once and no symbolic shape reaches
+    inductor's template. dynamo keeps one entry per shape: its recompile limit is raised to `shapes`."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
+    if device.type not in _compiled:
+        _compiled[device.type] = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _compiled[device.type]
 
 
 class FlexPagedAttention:
     """Made once per forward shape; `refresh(batch)` rewrites its tensors in place from the batch's tensors
     (no host sync, fixed addresses: a CUDA graph replays it over static buffers); called once per layer."""
 
-    def __init__(self, batch: PackedBatch, block_size: int, num_pool_blocks: int, query_block: int = 16):
+    def __init__(self, batch: PackedBatch, block_size: int, num_pool_blocks: int, query_block: int = 16,
+                 compile: bool | None = None, shapes: int = 16):  # fmt: skip
+        """compile: flex_attention compiled for this batch's static shapes (default: on a GPU; a CPU runs it
+        eagerly, densely, unless told: inductor compiles it to C++ there, which is how the CPU tests check
+        the compiled path); shapes: how many distinct shapes the caller will run (dynamo's limit)."""
         device = batch.input_ids.device
+        compile = device.type == "cuda" if compile is None else compile
+        if device.type == "cuda":
+            check_block_sizes(query_block, block_size)
+        self.attention = compiled_flex(device, shapes) if compile else flex_attention
+        self.options = kernel_options(query_block, block_size)
         self.bs, self.qb, self.num_pool_blocks = block_size, query_block, num_pool_blocks
         padded = [-(-n // query_block) * query_block for n in batch.query_lens]  # each row in whole query blocks
         first = [sum(padded[:r]) for r in range(batch.num_rows)]
@@ -58,7 +83,9 @@ class FlexPagedAttention:
         nQB, (R, W) = len(self.qb_row), batch.tables.shape
         self.q_pos = torch.zeros(len(self.q_row), dtype=torch.long, device=device)
         self.logical = torch.full((R, num_pool_blocks + 1), -1, dtype=torch.long, device=device)
-        self.kv = [torch.zeros(1, 1, *shape, dtype=torch.int32, device=device) for shape in ((nQB,), (nQB, W))] * 2
+        # inductor's CPU template wants a column per pool block; the GPU's reads only the first counts of W
+        C = W if device.type == "cuda" else max(W, num_pool_blocks)
+        self.kv = [torch.zeros(1, 1, *shape, dtype=torch.int32, device=device) for shape in ((nQB,), (nQB, C))] * 2
         self.kv = [t.clone() for t in self.kv]  # partial count, partial blocks, full count, full blocks
         self.refresh(batch)
         self.block_mask = BlockMask.from_kv_blocks(*self.kv, BLOCK_SIZE=(query_block, block_size),
@@ -83,7 +110,7 @@ class FlexPagedAttention:
         full_num = (lo + 1) // bs  # blocks that end at or before the block's first query: no mask needed
         shifted = (torch.arange(W, device=tables.device)[None, :] + full_num[:, None]).clamp(max=W - 1)
         for buffer, value in zip(self.kv, (hi // bs + 1 - full_num, tables.gather(1, shifted), full_num, tables)):
-            buffer.copy_(value.view(buffer.shape))
+            buffer[..., : value.shape[-1]].copy_(value.view(buffer[..., : value.shape[-1]].shape))
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         j = self.logical[self.q_row[q_idx], kv_idx // self.bs]  # the kv slot's block, as the row's j-th
@@ -94,5 +121,6 @@ class FlexPagedAttention:
         _, H, N, D = q.shape
         padded = q.new_zeros(1, H, self.q_row.shape[0], D)  # (1, H, Np, D)
         padded[:, :, self.place] = q
-        y = attention_fn(q.device)(padded, keys[None], values[None], block_mask=self.block_mask, enable_gqa=True)
+        y = self.attention(padded, keys[None], values[None], block_mask=self.block_mask, enable_gqa=True,
+                           kernel_options=self.options)  # fmt: skip
         return y[:, :, self.place]

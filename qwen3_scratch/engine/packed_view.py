@@ -9,7 +9,9 @@ into their slots of the pool, then attends row by row, by one of three routes, a
     attended with SDPA under its causal mask, as a prefill of that chunk alone would. Its queries and keys
     are padded to buckets (buckets.py; `prompt_row`), since SDPA's CPU kernels are cached per shape;
     the tokens of a step's pad row (batch.step_padded) attend nothing and get zeros;
-  - "flex" (a GPU's): all rows in one FlexAttention call reading the pool in place (flex_paged.py);
+  - "flex" (a GPU's): a decode step's rows in one FlexAttention call reading the pool in place (flex_paged.py),
+    compiled for the step's static shapes (a decode bucket's: model_runner.py); a step with prompt rows
+    takes the "paged" way, so that no shape that changes with every prompt reaches the compiler;
   - the reference (`reference_inputs`): the whole step as one row whose keys are every row's blocks,
     gathered end to end, under a block-diagonal causal mask. Plain `PagedView` + the model's own SDPA:
     what tests compare against, and what tensor-parallel workers rebuild (they know only `PagedView`).
@@ -43,12 +45,15 @@ def dense_attention(q, k, v, mask):
 class PackedView(PagedView):
     """The pool as one packed forward sees it: writes each token's key/value, attends row by row."""
 
-    def __init__(self, cache: PagedKVCache, batch: PackedBatch, route: str = "paged"):
+    def __init__(self, cache: PagedKVCache, batch: PackedBatch, route: str = "paged", compile_flex: bool | None = None,
+                 shapes: int = 16):  # fmt: skip
+        """compile_flex, shapes: FlexPagedAttention's compile and shapes (the flex route's decode steps)."""
         super().__init__(cache, batch.slots, batch.tables)
         self.batch, self.route = batch, route
         bs = cache.block_size
-        if route == "flex":
-            self.flex = FlexPagedAttention(batch, bs, cache.num_blocks + 1)
+        self.flex = None
+        if route == "flex" and batch.num_decodes == batch.num_rows:
+            self.flex = FlexPagedAttention(batch, bs, cache.num_blocks + 1, compile=compile_flex, shapes=shapes)
             return
         # Made once per forward, used by every layer: the decode rows' table width and valid slots, and each
         # prompt row's padded queries, keys and causal mask (prompt_row).
@@ -82,7 +87,7 @@ class PackedView(PagedView):
     def refresh(self) -> None:
         """Recompute what depends on the batch's tensors, from them alone (no host sync): a CUDA graph
         captures this with the forward and replays both over its static buffers (cuda_graphs.py)."""
-        if self.route == "flex":
+        if self.flex is not None:
             self.flex.refresh(self.batch)
             return
         B = self.batch.num_decodes
@@ -92,7 +97,7 @@ class PackedView(PagedView):
     def attend(self, layer: int, q, k, v, mask=None) -> torch.Tensor:
         """Write k, v (1, K, N, D); return every token's attention over its row's keys, (1, H, N, D)."""
         self.write(layer, k, v)
-        if self.route == "flex":
+        if self.flex is not None:
             return self.flex(q, self.cache.keys[layer], self.cache.values[layer])
         B = self.batch.num_decodes
         parts = [self._decodes(layer, q[:, :, :B])] if B else []

@@ -1,10 +1,10 @@
-"""Random weights of the exact Qwen3 shapes for scripts/gpu_check.py: written once as a checkpoint (drawn on the
-GPU, so 8B takes seconds plus the disk), or, for MoE shapes, drawn straight into GPU memory.
+"""Random weights of the exact Qwen3 shapes for scripts/gpu_check.py: drawn straight into GPU memory for our
+model, or written once as a checkpoint (drawn on the GPU, so 8B takes seconds plus the disk) for what reads
+files (the engine workload's load, the load benchmark).
 
 Decode speed does not depend on where the random numbers came from, and a GPU machine has no internet.
 """
 
-import time
 from pathlib import Path
 
 import torch
@@ -16,10 +16,6 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_la
             bos_token_id=0, eos_token_id=1)  # Qwen3's ids (151643...) are outside a 512-token vocabulary  # fmt: skip
 # Qwen3-30B-A3B's routing (top-8 of 128 experts) at the tiny widths, for a dry run of the MoE path.
 TINY_MOE = {**TINY, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 32}
-
-
-def is_moe(size: str) -> bool:
-    return size == "tiny-moe" or "-A" in size  # 30B-A3B, 235B-A22B
 
 
 def checkpoint_folder(size: str, device: str, weights: Path) -> Path:
@@ -55,31 +51,25 @@ def write_checkpoint(size: str, folder: Path, device: str) -> Path:
 
 
 def load_or_draw(size: str, device: str, weights: Path, quantize: str | None, optimize: str = "decode"):
-    """(model, seconds spent writing the checkpoint): loaded from the checkpoint, or drawn in memory for MoE."""
-    from qwen3_scratch.checkpoint.weights import load_model
-
-    start = time.perf_counter()
-    if is_moe(size):
-        return random_moe_model(size, device, quantize), 0.0
-    folder = checkpoint_folder(size, device, weights)
-    written = time.perf_counter() - start
-    return load_model(folder, device, "bfloat16", optimize=optimize, quantize=quantize), round(written, 1)
+    """(model, seconds spent writing a checkpoint): drawn straight into memory (no disk: 8B's 16 GB need not
+    be written before the first figure), laid out and quantized as load_model would."""
+    return random_model(size, device, quantize, optimize), 0.0
 
 
-def random_moe_model(size: str, device: str, quantize: str | None):
-    """An MoE model of `size`'s shapes with random bf16 weights drawn straight on `device`: no checkpoint.
+def random_model(size: str, device: str, quantize: str | None, optimize: str | None = "decode"):
+    """A model of `size`'s shapes with random bf16 weights drawn straight on `device`: no checkpoint.
 
     30B-A3B is 61 GB in bf16: it fits an 80 GB GPU but not, beside the dense sizes, the GPU machine's disk,
-    and writing and reading it back would spend the step's time limit. Built on `meta` in bf16, then
-    materialised on the device in place.
+    and writing and reading 8B back cost the first GPU runs minutes. Built on `meta` in bf16, materialised on
+    the device in place, then load_model's own layout step (fusing, int8/int4).
     """
-    from qwen3_scratch.kernels.fuse import fuse_projections
-    from qwen3_scratch.kernels.quantize import quantize_model
+    from qwen3_scratch.kernels.layout import optimize_layout
     from qwen3_scratch.model.config import Qwen3Config
     from qwen3_scratch.model.qwen3 import Qwen3
 
-    config = Qwen3Config.from_dict(shape_config("30B-A3B" if size == "tiny-moe" else size, "bfloat16",
-                                                TINY_MOE if size == "tiny-moe" else None))  # fmt: skip
+    tiny = {"tiny": TINY, "tiny-moe": TINY_MOE}.get(size)
+    shapes = {"tiny": "0.6B", "tiny-moe": "30B-A3B"}.get(size, size)
+    config = Qwen3Config.from_dict(shape_config(shapes, "bfloat16", tiny))
     with torch.device("meta"):
         model = Qwen3(config).to(torch.bfloat16)
     model.to_empty(device=device)
@@ -89,7 +79,4 @@ def random_moe_model(size: str, device: str, quantize: str | None):
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.build_rope_tables(device, torch.bfloat16)
-    fuse_projections(model)
-    if quantize is not None:
-        quantize_model(model, quantize)
-    return model.eval()
+    return optimize_layout(model, optimize, quantize, 32 if quantize == "int4" else None).eval()

@@ -6,14 +6,13 @@ limit). Each worker writes its JSON record after every measurement, so a step cu
     transformers  `generate` eagerly (DynamicCache), and with a StaticCache of one fixed length (transformers
                   then compiles its forward, "reduce-overhead", on a GPU; the same length every call, or it
                   would compile again)
-    workload      the engine on nano-vLLM's benchmark workload (scripts/bench/nano_vllm_workload.py's run())
-    busy          the fraction of an engine run's wall time the GPU was running kernels (torch.profiler)
+    workload      the engine on nano-vLLM's benchmark workload by one attention route, and the fraction of a
+                  window of its steps the GPU was running kernels (scripts/bench/nano_vllm_workload.py's run())
 
 Variants of `decode` are "<weights>/<mode>": weights bfloat16, int8 (the device's default int8 route:
 gpt-fast's fused cast on a GPU), int8pack (torch._weight_int8pack_mm) or int4 (tinygemm on a GPU).
 """
 
-import importlib
 import json
 import sys
 import time
@@ -172,84 +171,25 @@ def transformers_worker(args, out: Path) -> None:
 
 
 def workload_worker(args, out: Path) -> None:
-    """nano-vLLM's benchmark workload through the engine, by the engine's own script, if it is there."""
-    from gpu_checkpoints import checkpoint_folder
+    """nano-vLLM's benchmark workload through the engine by one attention route (--variants), with the GPU's
+    busy fraction over a window of its steps (nano_vllm_workload.py's run())."""
+    import nano_vllm_workload as workload
+    from gpu_checkpoints import load_or_draw
 
+    route = args.variants or "flex"
     record = {"size": args.size, "results": {}}
-    try:
-        workload = importlib.import_module("nano_vllm_workload")
-    except ImportError as e:
-        record["results"]["engine/workload"] = {"skipped": f"not available: scripts/bench/nano_vllm_workload.py ({e})"}
-        out.write_text(json.dumps(record))
-        return
-    folder = checkpoint_folder(args.size, args.device, args.weights)
-    import torch
-
-    kwargs = {"model_path_or_model": str(folder), "device": args.device, "seed": 0,
-              "dtype": torch.bfloat16 if args.device == "cuda" else torch.float32}  # fmt: skip
-    if args.size == "tiny":  # the dry run: a few short requests
+    kwargs = {"device": args.device, "seed": 0, "route": route}
+    if args.size == "tiny":  # the smoke run: a few short requests
         kwargs |= {"num_requests": 4, "max_len": 24}
     else:  # nano-vLLM's 256 requests did not finish inside the step's 76 s on an H100 (first run): a quarter of them
         kwargs |= {"num_requests": 64}
     record["run_kwargs"] = {k: str(v) for k, v in kwargs.items()}
-    record_result(record, out, "engine/workload", lambda: workload.run(**kwargs))
-    # FlexAttention over the pool in place, with decode graphs: opt-in until it compiles and wins on a GPU
-    record_result(record, out, "engine/workload flex", lambda: workload.run(**kwargs, route="flex"))
-
-
-def busy_worker(args, out: Path) -> None:
-    """64 prompts of 32 random tokens, 32 new tokens each, through LLMEngine under torch.profiler: the union
-    of the GPU's kernel intervals over the wall time (after a warm-up run, so captures do not count)."""
-    from gpu_checkpoints import load_or_draw
-    from torch.profiler import ProfilerActivity, profile
-
-    from qwen3_scratch.engine.engine import LLMEngine
-    from qwen3_scratch.sampling.params import SamplingParams
-
-    record = {"size": args.size, "results": {}}
     model, _ = load_or_draw(args.size, args.device, args.weights, None, optimize="batch")
-    engine = LLMEngine(model, None, eos_ids=[], num_blocks=512)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    prompts = torch.randint(0, model.config.vocab_size, (64, 32), generator=torch.Generator().manual_seed(1)).tolist()
-
-    def run_all(n):
-        for i, ids in enumerate(prompts[:n]):
-            engine.add_request(f"r{time.perf_counter_ns()}-{i}", ids, params)
-        steps = 0
-        while engine.has_unfinished():
-            engine.step()
-            steps += 1
-        synchronize(args.device)
-        return steps
-
-    def measure():
-        run_all(8)
-        cuda = args.device == "cuda"
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            start = time.perf_counter()
-            steps = run_all(len(prompts))
-            wall = time.perf_counter() - start
-        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
-        busy_s = union_seconds(kernels)
-        return {"wall_s": wall, "steps": steps, "output_tok_s": len(prompts) * 32 / wall, "gpu_busy_s": busy_s,
-                "gpu_busy_fraction": busy_s / wall if kernels else None}  # fmt: skip
-
-    record_result(record, out, "engine/busy", measure)
+    progress(f"drew {args.size}; the workload by the {route} route")
+    record_result(record, out, f"engine/workload {route}", lambda: workload.run(model, **kwargs))
 
 
-def union_seconds(intervals_us: list[tuple[float, float]]) -> float:
-    """Total length of the union of (start, end) intervals in microseconds, in seconds (overlapping kernels
-    on several streams count once)."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals_us):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total / 1e6
-
-
-WORKERS = {"decode": decode_worker, "transformers": transformers_worker, "workload": workload_worker,
-           "busy": busy_worker}  # fmt: skip
+WORKERS = {"decode": decode_worker, "transformers": transformers_worker, "workload": workload_worker}
 
 
 def main(argv=None) -> int:

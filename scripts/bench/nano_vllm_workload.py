@@ -9,7 +9,8 @@ requests are added at once and the engine runs them to the end. nano-vLLM report
 an RTX 4070 and vLLM 1,354 (issue 29; the target on an H100 is >= 15,000 with the GPU busy >= 80%).
 --num-requests and --max-len scale it down (lengths then from min(100, max-len) to max-len).
 
-GPU busy fraction: the run under torch.profiler, the sum of the GPU kernels' times over the wall time.
+GPU busy fraction: a window of engine steps after the timed run (prefills, then decodes) under torch.profiler,
+the union of the GPU kernels' intervals over the window's wall time.
 scripts/gpu_check.py calls `run(...)` and gets a dict back.
 """
 
@@ -60,23 +61,46 @@ def generate(engine, requests, temperature) -> int:
     return produced
 
 
-def gpu_busy_fraction(fn) -> tuple[float, float]:
-    """(busy fraction, wall seconds) of fn() under the profiler: GPU kernel time summed over the wall time."""
+def union_seconds(intervals_us: list[tuple[float, float]]) -> float:
+    """Total length of the union of (start, end) intervals in microseconds, in seconds (overlapping kernels
+    on several streams count once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals_us):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total / 1e6
+
+
+def busy_window(engine, requests, temperature, steps: int) -> dict:
+    """The GPU's busy fraction over `steps` engine steps of `requests` (its first prefills, then decodes),
+    under torch.profiler: the union of the kernels' intervals over the window's wall time. A window, not a
+    whole run: an eager run records ~1,000 kernels a step, and the profiler's post-processing of a whole
+    run took longer than the run."""
     from torch.profiler import ProfilerActivity, profile
 
+    for i, (ids, n) in enumerate(requests):
+        engine.add_request(f"busy{i}", ids, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        fn()
+        start, done = time.perf_counter(), 0
+        while engine.has_unfinished() and done < steps:
+            engine.step()
+            done += 1
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-    return kernels / 1e6 / wall, wall
+    for i in range(len(requests)):  # the rest is not measured
+        engine.abort(f"busy{i}")
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = union_seconds(kernels)
+    return {"gpu_busy": busy / wall, "gpu_busy_s": busy, "busy_window_s": wall, "busy_window_steps": done}
 
 
 def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=0, dtype=None, temperature=0.6,
-        max_num_seqs=None, max_num_batched_tokens=None, block_size=16, profile_busy=True, route=None) -> dict:  # fmt: skip
-    """The workload once to warm up (a few requests: kernels, graphs), then timed. A dict of the figures.
-    route: the engine's attention route (model_runner.py; default the engine's own choice)."""
+        max_num_seqs=None, max_num_batched_tokens=None, block_size=16, profile_busy=True, route=None,
+        busy_steps=64) -> dict:  # fmt: skip
+    """The workload once to warm up (a few requests, and every decode bucket's graph up to the request count),
+    then timed. A dict of the figures. route: the engine's attention route (model_runner.py; default the
+    engine's own choice); on a GPU, then `busy_steps` steps under the profiler (busy_window)."""
     cuda = torch.device(device).type == "cuda"
     if isinstance(model_path_or_model, (str, Path)):
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -86,15 +110,18 @@ def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=
     requests = workload(num_requests, max_len, seed, model.config.vocab_size)
     max_num_seqs = max_num_seqs or (256 if cuda else 64)
     max_num_batched_tokens = max_num_batched_tokens or (8192 if cuda else 512)
+    start = time.perf_counter()
     engine = LLMEngine(model, None, [], pool_blocks(model, requests, block_size, max_num_seqs), block_size,
                        max_num_seqs, max_num_batched_tokens)  # fmt: skip
     if route is not None:
         engine.runner = ModelRunner(model, engine.cache, route=route, max_rows=max_num_seqs)
-    print(f"    workload: {num_requests} requests, pool {engine.blocks.num_blocks} blocks; warming up", flush=True)
-    start = time.perf_counter()
+    print(f"    workload: {num_requests} requests, pool {engine.blocks.num_blocks} blocks, route "
+          f"{engine.runner.route}; warming up", flush=True)  # fmt: skip
+    engine.runner.warm_up(min(num_requests, max_num_seqs))
     generate(engine, [(ids[:32], 8) for ids, _ in requests[: min(len(requests), max_num_seqs)]], temperature)
-    print(f"    workload: warm-up {time.perf_counter() - start:.1f} s; timing", flush=True)
-    result = {"device": str(device), "requests": num_requests, "max_len": max_len,
+    warmup = time.perf_counter() - start
+    print(f"    workload: warm-up {warmup:.1f} s; timing", flush=True)
+    result = {"device": str(device), "requests": num_requests, "max_len": max_len, "warmup_s": warmup,
               "prompt_tokens": sum(len(ids) for ids, _ in requests), "blocks": engine.blocks.num_blocks}  # fmt: skip
     if cuda:
         torch.cuda.synchronize()
@@ -103,11 +130,12 @@ def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    result.update(output_tokens=produced, seconds=wall, output_tok_s=produced / wall,
-                  forwards=getattr(engine.runner, "num_forwards", None), preemptions=engine.num_preemptions)  # fmt: skip
-    if cuda and profile_busy:  # a second, profiled run: the profiler's own cost stays out of the tok/s
-        shorter = requests[: max(1, len(requests) // 4)]
-        result["gpu_busy"], _ = gpu_busy_fraction(lambda: generate(engine, shorter, temperature))
+    runner = engine.runner
+    result.update(output_tokens=produced, seconds=wall, output_tok_s=produced / wall, forwards=runner.num_forwards,
+                  preemptions=engine.num_preemptions, route=runner.route, fallback=runner.fallback)  # fmt: skip
+    if cuda and profile_busy:  # a second, profiled window: the profiler's own cost stays out of the tok/s
+        print(f"    workload: {produced / wall:.0f} output tok/s; profiling {busy_steps} steps", flush=True)
+        result.update(busy_window(engine, requests[: max(1, len(requests) // 2)], temperature, busy_steps))
     return result
 
 
