@@ -62,7 +62,7 @@ def residual_norm(x, y, weight, *, eps: float, wide: bool):
 def widen(h, wide: bool):
     """h in fp32 where the next products are compiled loops (matvec.py), which take their input row in fp32:
     widening here, inside the kernel that made h, spares a separate cast for each product that reads it
-    (q, k, v; gate, up: five a layer). Exact: the bf16 rounding of h happens first, as in eager."""
+    (q, k, v; gate, up; down: six a layer). Exact: the bf16 rounding of h happens first, as in eager."""
     return h.float() if wide else h
 
 
