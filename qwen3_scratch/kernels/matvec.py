@@ -157,10 +157,11 @@ class MatvecLinear(nn.Module):
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x) for one fp32 row x (1, 1, K) and no bias, in one kernel: residual (1, 1, N)."""
+        args = (x.view(1, self.in_features), self.weight, residual.view(-1))  # (1, K), (N, K), (N,)
         add = self.__dict__.get("_add")
         if add is None:
-            add = self.__dict__["_add"] = kernel(matvec_add, x.view(1, self.in_features), self.weight, residual.view(-1))
-        return add(x.view(1, self.in_features), self.weight, residual.view(-1)).view(residual.shape)
+            add = self.__dict__["_add"] = kernel(matvec_add, *args)
+        return add(*args).view(residual.shape)
 
 
 def can_use_matvec(model: Qwen3) -> bool:
