@@ -374,3 +374,16 @@ def test_impossible_checkpoint_values_raise_naming_file_and_key(tmp_path, conten
     write_generation_config(tmp_path, content)
     with pytest.raises(GenerationError, match=f"generation_config.json.*{key}"):
         load_generation_config(tmp_path)
+
+
+def test_greedy_draw_equals_argmax_of_the_widened_logits_with_the_isfinite_check():
+    """sampling.logits.greedy reads the row fewer times than `isfinite(...).all()` + argmax; same ids, first
+    index on ties (bf16 logits tie often), NON_FINITE exactly for rows with a NaN or an infinity anywhere."""
+    from qwen3_scratch.sampling.logits import NON_FINITE, greedy
+
+    logits = torch.randn(12, 1000, generator=torch.Generator().manual_seed(3)).mul(4).round().to(torch.bfloat16)
+    for row, (index, bad) in enumerate([(0, "nan"), (999, "inf"), (5, "-inf"), (500, "nan")], start=1):
+        logits[row * 2, index] = float(bad)
+    logits[11] = float("-inf")
+    reference = torch.where(torch.isfinite(logits).all(-1), logits.float().argmax(-1), NON_FINITE)
+    assert torch.equal(greedy(logits), reference), f"greedy {greedy(logits).tolist()} != {reference.tolist()}"

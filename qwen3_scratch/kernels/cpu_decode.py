@@ -35,7 +35,7 @@ from qwen3_scratch.model.kv_cache import KVCache, attention_mask
 from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, one_query_attention, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
-from .matvec import kernel
+from .matvec import MatvecLinear, kernel
 
 
 def heads(q, k, v, q_weight, k_weight, cos, sin, *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
@@ -47,10 +47,23 @@ def heads(q, k, v, q_weight, k_weight, cos, sin, *, n_heads: int, n_kv_heads: in
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def residual_norm(x, y, weight, *, eps: float):
-    """The residual add and the next norm: x + y and rms_norm(x + y), (1, 1, C) each."""
+def norm(x, weight, *, eps: float, wide: bool):
+    """The layer's first norm, (1, 1, C); widened to fp32 for compiled products (see `widen`)."""
+    return widen(rms_norm(x, weight, eps), wide)
+
+
+def residual_norm(x, y, weight, *, eps: float, wide: bool):
+    """The residual add and the next norm: x + y and rms_norm(x + y), (1, 1, C) each (the norm widened
+    for compiled products)."""
     x = x + y
-    return x, rms_norm(x, weight, eps)
+    return x, widen(rms_norm(x, weight, eps), wide)
+
+
+def widen(h, wide: bool):
+    """h in fp32 where the next products are compiled loops (matvec.py), which take their input row in fp32:
+    widening here, inside the kernel that made h, spares a separate cast for each product that reads it
+    (q, k, v; gate, up; down: six a layer). Exact: the bf16 rounding of h happens first, as in eager."""
+    return h.float() if wide else h
 
 
 SHORT_CONTEXT = 256  # attended slots up to which half-precision attention runs in fp32 (0: never)
@@ -101,8 +114,8 @@ def pick_attention(attn, q, mask):
     return attend_in_fp32 if mask.shape[-1] <= SHORT_CONTEXT else type(attn).attend
 
 
-def swiglu(gate, up):
-    return F.silu(gate) * up  # (1, 1, F)
+def swiglu(gate, up, *, wide: bool):
+    return widen(F.silu(gate) * up, wide)  # (1, 1, F)
 
 
 class CPUDecoderLayer(DecoderLayer):
@@ -112,21 +125,35 @@ class CPUDecoderLayer(DecoderLayer):
         if x.shape[:2] != (1, 1) or cache is None or x.device.type != "cpu" or torch.compiler.is_compiling():
             return super().forward(x, cos, sin, mask, cache, cache_slots)  # torch.compile traces the plain maths
         attn, mlp = self.self_attn, self.mlp
-        eps = self.input_layernorm.eps
-        h = self.kernel(rms_norm, x, self.input_layernorm.weight, eps=eps)
+        eps, wide = self.input_layernorm.eps, self.compiled_products()
+        h = self.kernel(norm, x, self.input_layernorm.weight, eps=eps, wide=wide)
         q, k, v = attn.project_qkv(h)  # (1, 1, H*D), (1, 1, K*D), (1, 1, K*D)
         shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
         q, k, v = self.kernel(heads, q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, **shape)
         attend = pick_attention(attn, q, mask)
         y = attn.o_proj(attend(attn, q, k, v, mask, cache, cache_slots))  # (1, 1, C)
-        x, h = self.kernel(residual_norm, x, y, self.post_attention_layernorm.weight, eps=eps)
+        x, h = self.kernel(residual_norm, x, y, self.post_attention_layernorm.weight, eps=eps, wide=wide)
         if not isinstance(mlp, MLP):  # a mixture of experts keeps its own forward (model/moe.py)
             return x + mlp(h)
         if hasattr(mlp, "gate_up_proj"):
             gate, up = mlp.gate_up_proj(h).split(mlp.gate_up_proj.split_sizes, dim=-1)
         else:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        return x + mlp.down_proj(self.kernel(swiglu, gate.contiguous(), up.contiguous()))
+        h = self.kernel(swiglu, gate.contiguous(), up.contiguous(), wide=wide)
+        if wide:  # the residual add inside the down product's kernel
+            return mlp.down_proj.add_to(x, h)
+        return x + mlp.down_proj(h)
+
+    def compiled_products(self) -> bool:
+        """True when every product of this layer is a compiled one-row loop (MatvecLinear, no bias): then the
+        kernels between them hand them fp32 rows and the down product adds the residual. Quantized layers
+        (int8, int4) take rows in the activations' dtype. Looked up once per layer."""
+        wide = self.__dict__.get("_compiled_products")
+        if wide is None:
+            products = [m for m in self.modules() if hasattr(m, "in_features")]  # nn.Linear and its stand-ins
+            wide = all(isinstance(m, MatvecLinear) and m.bias is None for m in products) and isinstance(self.mlp, MLP)
+            self.__dict__["_compiled_products"] = wide
+        return wide
 
     def kernel(self, fn, *args, **constants):
         """fn's compiled kernel, looked up once per layer and function (every decode step has the same

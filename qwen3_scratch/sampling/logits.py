@@ -149,6 +149,20 @@ def filter_logits(logits: torch.Tensor, params: LogitsFilter) -> torch.Tensor:
     return min_p_filter(logits, params.min_p)
 
 
+def greedy(logits: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """sample's greedy draw: the first index of the largest logit, (B, V) -> (B,), NON_FINITE for a row that
+    is not all finite. Widening to fp32 is exact and leaves the order alone; on a CPU torch's argmax over
+    151936 bf16 logits takes ~0.57 ms, over their fp32 copy ~0.19 ms. The finiteness check reads the row
+    once more, as a minimum (NaN and -inf show there) and the winner (+inf and NaN win argmax), not
+    isfinite's three passes and `all`: one step's greedy draw at 1 thread 1.1 -> 0.35 ms (Intel Xeon)."""
+    wide = logits.float()  # (B, V)
+    tokens = wide.argmax(dim=-1)  # (B,)
+    if finite is None:
+        best = wide.gather(-1, tokens[:, None])[:, 0]  # (B,)
+        finite = torch.isfinite(wide.amin(dim=-1)) & torch.isfinite(best)
+    return torch.where(finite, tokens, NON_FINITE)
+
+
 def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generator | None = None,
            finite: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Draw one token per row: (B, V) logits -> (B,) long ids on the logits' device.
@@ -168,11 +182,9 @@ def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generato
     bool replaces that check when the caller made it on the model's own logits, before logit processing
     set banned tokens to -inf on purpose (sampling/processors.py).
     """
-    finite = torch.isfinite(logits).all(dim=-1) if finite is None else finite  # (B,)
     if params.greedy:
-        # first index on ties: deterministic. Widening to fp32 is exact and leaves the order alone; on a
-        # CPU torch's argmax over 151936 bf16 logits takes ~0.57 ms, over their fp32 copy ~0.19 ms.
-        return torch.where(finite, logits.float().argmax(dim=-1), NON_FINITE)
+        return greedy(logits, finite)
+    finite = torch.isfinite(logits).all(dim=-1) if finite is None else finite  # (B,)
     probs = filter_logits(logits, params).softmax(dim=-1)  # (B, V) float32
     finite &= torch.isfinite(probs).all(dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)

@@ -1,0 +1,58 @@
+"""One batch-1 greedy decode step's time at the 0.6B shapes (bf16, decode layout), and the part of it
+that is not a weight read: the step minus its products run alone (every matrix's compiled one-row loop,
+the same inputs, back to back), so what is left is attention, the kernels between the products, Python
+and sampling.
+
+    python scripts/bench/step_time.py --threads 1                  # this checkout
+    PYTHONPATH=/other/checkout python scripts/bench/step_time.py   # another (alternate the two, compare medians)
+
+Prints one JSON line: median ms per step, median ms of the products alone, their difference.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch
+from qwen3_scratch.kernels.matvec import MatvecLinear
+from qwen3_scratch.sampling.logits import LogitsFilter, sample
+
+
+def products_alone(model) -> float:
+    """Seconds for every one-row product of a step (the decode layout's MatvecLinear kernels) alone."""
+    linears = [m for m in model.modules() if isinstance(m, MatvecLinear)]
+    rows = [torch.randn(1, m.in_features) for m in linears]
+    start = time.perf_counter()
+    for m, x in zip(linears, rows):
+        m.kernel(x, m.weight)
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default="/work/weights/qwen3-0.6b-shapes")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=48)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.checkpoint, "cpu", torch.bfloat16, optimize="decode")
+    loop = CachedLoop(model, PaddedBatch.left_pad([list(range(100, 116))], 0, "cpu"), args.steps + 8)
+    greedy, steps, products = LogitsFilter(temperature=0.0), [], []
+    with torch.no_grad():
+        token = sample(loop.start(), greedy)
+        for i in range(args.steps + 8):
+            start = time.perf_counter()
+            token = sample(loop.step(token), greedy)
+            steps.append(time.perf_counter() - start)
+            products.append(products_alone(model))
+    step, product = (statistics.median(t[8:]) * 1e3 for t in (steps, products))  # the first 8 warm up
+    print(json.dumps(dict(threads=args.threads, step_ms=round(step, 2), products_ms=round(product, 2),
+                          rest_ms=round(step - product, 2))))
+
+
+if __name__ == "__main__":
+    main()
