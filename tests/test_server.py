@@ -42,13 +42,14 @@ class ScriptedModel:
     def __call__(self, input_ids, position_ids, *args, **kwargs):
         if self.fail:
             raise RuntimeError("injected failure")
-        logits = self.model(input_ids, position_ids, *args, **kwargs)  # (B, 1, V)
+        logits = self.model(input_ids, position_ids, *args, **kwargs)  # (1, M, V): one row per kept token
         if self.script is not None:
             start, ids = self.script
-            for row, index in enumerate((position_ids[:, -1] + 1 - start).tolist()):
+            kept = position_ids[0, kwargs["logits_at"]]  # the positions whose next token each row predicts
+            for row, index in enumerate((kept + 1 - start).tolist()):
                 if 0 <= index < len(ids):
-                    logits[row, -1] = float("-inf")
-                    logits[row, -1, ids[index]] = 0.0
+                    logits[0, row] = float("-inf")
+                    logits[0, row, ids[index]] = 0.0
         return logits
 
 

@@ -28,7 +28,6 @@ from qwen3_scratch.model.qwen3 import one_query_attention
 
 from . import paged_attention
 from .batch import PackedBatch
-from .buckets import padded_size
 from .flex_paged import FlexPagedAttention
 from .paged_cache import PagedKVCache, PagedView
 
@@ -56,7 +55,7 @@ class PackedView(PagedView):
             self.flex = FlexPagedAttention(batch, bs, cache.num_blocks + 1, compile=compile_flex, shapes=shapes)
             return
         # Made once per forward, used by every layer: the decode rows' table width and valid slots, and each
-        # prompt row's padded queries, keys and causal mask (prompt_row).
+        # prompt row's causal mask and table (prompt_row).
         B = batch.num_decodes
         decode_ends = batch.ends[:B]
         self.decode_width = batch.tables.shape[1] if B == batch.num_rows else -(-max(decode_ends, default=1) // bs)
@@ -68,21 +67,18 @@ class PackedView(PagedView):
         self.num_pad_tokens = batch.num_tokens - offset  # step_padded's pad row, if any
 
     def prompt_row(self, r: int, offset: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        """(offset, T, causal mask (1, 1, Tp, Sp), block table (1, Sp/bs)) of prompt row r. Its T queries and
-        S keys are padded to buckets (buckets.py): pad queries see key 0 alone and are dropped; pad keys,
-        whole blocks past the row's end (the scratch block where its table ends), are seen by no query."""
+        """(offset, T, causal mask (1, 1, T, S), block table (1, ceil(S/bs))) of prompt row r: its T queries over
+        its S keys, exactly. Not padded to buckets, unlike the step's tokens: SDPA's CPU kernel sums a row's
+        keys in vector lanes, so masked pad keys (or more queries, at some sizes) change the last bit of every
+        output, and the engine's greedy tokens would drift from the simple loop's; these (T, S) shapes cost
+        SDPA ~0.1 MiB each where a linear's cost oneDNN ~0.75 (docs/performance.md, "Flat memory")."""
         batch, bs = self.batch, self.cache.block_size
         n, device = batch.query_lens[r], batch.input_ids.device
         S = batch.starts[r] + n
-        Tp, Sp = padded_size(n), -(-padded_size(S) // bs) * bs
-        positions = torch.zeros(Tp, dtype=torch.long, device=device)
-        positions[:n] = batch.positions[0, offset : offset + n]
-        keys = torch.arange(Sp, device=device)
-        mask = (keys[None, :] <= positions[:, None])[None, None]  # (1, 1, Tp, Sp)
-        table = batch.tables[r : r + 1, : Sp // bs]
-        if table.shape[1] < Sp // bs:
-            table = F.pad(table, (0, Sp // bs - table.shape[1]), value=self.cache.scratch_block)
-        return offset, n, mask, table
+        positions = batch.positions[0, offset : offset + n]
+        keys = torch.arange(S, device=device)
+        mask = (keys[None, :] <= positions[:, None])[None, None]  # (1, 1, T, S)
+        return offset, n, mask, batch.tables[r : r + 1, : -(-S // bs)]
 
     def refresh(self) -> None:
         """Recompute what depends on the batch's tensors, from them alone (no host sync): a CUDA graph
@@ -122,13 +118,11 @@ class PackedView(PagedView):
         return y[:, :, 0].transpose(0, 1)[None]  # (B, H, 1, D) -> (1, H, B, D)
 
     def _row(self, layer: int, q, mask, table) -> torch.Tensor:
-        """One prompt row: q (1, H, T, D), padded to the mask's Tp queries, over its Sp keys -> (1, H, T, D)."""
-        T, Tp = q.shape[2], mask.shape[2]
-        if Tp > T:
-            q = torch.cat([q, q.new_zeros(*q.shape[:2], Tp - T, q.shape[3])], dim=2)  # (1, H, Tp, D)
-        keys = self._gather(self.cache.keys[layer], table)  # (1, K, Sp, D)
-        values = self._gather(self.cache.values[layer], table)
-        return dense_attention(q, keys, values, mask)[:, :, :T]
+        """One prompt row: q (1, H, T, D) over its S keys (the mask's last dim), gathered, causally."""
+        S = mask.shape[-1]
+        keys = self._gather(self.cache.keys[layer], table)[:, :, :S]  # (1, K, S, D)
+        values = self._gather(self.cache.values[layer], table)[:, :, :S]
+        return dense_attention(q, keys, values, mask)
 
     def _gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Whole blocks of tables (B, W) out of pool (K, slots, D) -> (B, K, W*bs, D), contiguous in (K, B) order."""
