@@ -8,6 +8,10 @@ prompts prefilled in chunks. The kernel compiles once per dtype and head shape i
 every test here uses the tiny checkpoint's heads.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,3 +176,35 @@ def test_past_dynamos_recompile_limit_the_kernel_runs_its_maths_uncompiled(monke
             outputs.append((got, paged_attention.paged_decode_attention(q, kb, vb, tables, valid)))
     for got, want in outputs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# A server's start (the imports its command makes, then the LLM with its pool), and then one request's steps.
+SERVER_START = """
+import sys, warnings
+import qwen3_scratch.server.app, qwen3_scratch.server.process, qwen3_scratch.server.async_engine
+from qwen3_scratch.engine import paged_attention
+from qwen3_scratch.engine.llm import LLM
+from qwen3_scratch.sampling.params import SamplingParams
+heavy = ("torch._dynamo", "torch._inductor", "sympy")
+llm = LLM(sys.argv[1], dtype=sys.argv[2])
+print(sorted(name for name in heavy if name in sys.modules))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    llm.engine.add_request("0", [3, 17, 101, 5, 260, 42], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+print(llm.engine.cache.in_place, paged_attention._compiled.cache_info().currsize, [str(w.message) for w in caught if "paged attention" in str(w.message)])
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_server_start_builds_no_kernel_and_the_first_decode_step_runs_the_compiled_one(checkpoint, dtype):
+    """Building the kernel (dynamo's trace, inductor) took ~5 s of every qwen3-serve start before /health
+    answered; now the pool decides at its warm-up or first decode step. The start must import none of the
+    compiler, and the steps must then run the compiled kernel, not the gather or the eager fallback."""
+    done = subprocess.run([sys.executable, "-c", SERVER_START, str(checkpoint), dtype], capture_output=True,
+                          text=True, env=os.environ)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported, used = done.stdout.strip().splitlines()[-2:]
+    assert imported == "[]", f"the server's start imported {imported}"
+    assert used == "True 1 []", f"after the steps: in place, kernels compiled, warnings = {used}"

@@ -61,11 +61,14 @@ def paged_decode_attention(q, key_blocks, value_blocks, tables, valid):
     return y.transpose(0, 1).reshape(B, H, 1, D)
 
 
-# One compiled function for the process: its guards are on the dtype and the static sizes (K, G, D).
-_compiled = torch.compile(
-    paged_decode_attention, dynamic=False, fullgraph=True,
-    options={"emulate_precision_casts": True, "assert_indirect_indexing": False},  # tables are built valid
-)  # fmt: skip
+@functools.cache
+def _compiled():
+    """One compiled function for the process: its guards are on the dtype and the static sizes (K, G, D).
+    Made at the first call, not at import: torch.compile imports dynamo (~1 s of a server's start)."""
+    return torch.compile(
+        paged_decode_attention, dynamic=False, fullgraph=True,
+        options={"emulate_precision_casts": True, "assert_indirect_indexing": False},  # tables are built valid
+    )  # fmt: skip
 
 
 def attend_in_place(q, key_blocks, value_blocks, tables, valid):
@@ -75,7 +78,7 @@ def attend_in_place(q, key_blocks, value_blocks, tables, valid):
         for dim in dims:  # B; B, W; B, W, bs; NB, bs
             mark(tensor, dim)
     try:
-        return _compiled(q, key_blocks, value_blocks, tables, valid)
+        return _compiled()(q, key_blocks, value_blocks, tables, valid)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         # Each (dtype, K, G, D) is a compile, and dynamo stops at its recompile limit (8): a process that has
         # served that many head shapes (a test session does) runs the same maths eagerly rather than fail.
@@ -103,7 +106,8 @@ def supported(config: Qwen3Config, device, dtype) -> bool:
 def unavailable_reason(H: int, K: int, D: int, dtype: torch.dtype) -> str | None:
     """None if the kernel builds for these heads and dtype and equals the plain maths; else why not.
 
-    Building it here, when the engine starts, also keeps the compile (seconds) out of the first step."""
+    This builds the kernel (seconds): the pool asks at its warm-up or first decode step, never at its
+    start (paged_cache.PagedKVCache.in_place), and every later step reuses the build."""
     g = torch.Generator().manual_seed(0)
     key_blocks, value_blocks = (torch.randn(K, 3, 4, D, generator=g).to(dtype) for _ in range(2))
     q = torch.randn(2, H, 1, D, generator=g).to(dtype)

@@ -34,6 +34,9 @@ Shapes: L layers, N pool slots (num_blocks x block_size), K kv heads, D head_dim
 B rows, T new tokens per row, S keys attended per row.
 """
 
+import math
+import mmap
+
 import torch
 
 from qwen3_scratch.model.config import Qwen3Config
@@ -47,20 +50,30 @@ class PagedKVCache:
     def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, device=None, dtype=torch.float32,
                  in_place: bool | None = None):  # fmt: skip
         """in_place: decode batches attend in the pool (None: wherever paged_attention supports it)."""
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         # One block more than the block manager hands out: the scratch block, where the pad rows of a padded
         # decode batch (batch.py) write and read, so that padding never touches a sequence's keys.
         self.scratch_block = num_blocks
         K, D = config.num_key_value_heads, config.head_dim
         shape = (config.num_hidden_layers, K, (num_blocks + 1) * block_size, D)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, K, N, D)
+        self.keys, self.values = zeroed(shape, device, dtype), zeroed(shape, device, dtype)  # (L, K, N, D)
         # Each layer's pool seen as blocks, (K, num_blocks + 1, block_size, D): views made once, not per step.
         self.key_blocks = [layer.view(K, num_blocks + 1, block_size, D) for layer in self.keys]
         self.value_blocks = [layer.view(K, num_blocks + 1, block_size, D) for layer in self.values]
-        if in_place is None:
-            in_place = paged_attention.supported(config, device, dtype)
-        self.in_place = in_place
+        self._in_place = in_place
+
+    @property
+    def in_place(self) -> bool:
+        """Whether decode batches attend in the pool. Left to paged_attention, it is decided at the warm-up or
+        the first decode step, not here: deciding builds the kernel (seconds, with dynamo and inductor
+        imported), which kept a server's /health waiting ~5 s on every start."""
+        if self._in_place is None:
+            self._in_place = paged_attention.supported(self.config, self.keys.device, self.keys.dtype)
+        return self._in_place
+
+    def warm_up(self) -> bool:
+        """Decide (and build) in_place now, so that the first decode step does not pay for it."""
+        return self.in_place
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
@@ -68,6 +81,15 @@ class PagedKVCache:
     def view(self, write_slots: torch.Tensor, read_blocks: torch.Tensor) -> "PagedView":
         """The gathering view: the reference route, and what tensor-parallel workers read through."""
         return PagedView(self, write_slots, read_blocks)
+
+
+def zeroed(shape: tuple, device, dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros; on a CPU over an anonymous mapping, whose pages the OS zeroes when first touched. Writing
+    the zeros of a 1 GiB pool took ~0.5 s of a server's start, for slots most of which a start never uses."""
+    if torch.device(device or "cpu").type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps it alive
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 class PagedView:
