@@ -64,16 +64,12 @@ class PagedKVCache:
 
     @property
     def in_place(self) -> bool:
-        """Whether decode batches attend in the pool. Left to paged_attention, it is decided at the warm-up or
-        the first decode step, not here: deciding builds the kernel (seconds, with dynamo and inductor
+        """Whether decode batches attend in the pool. Left to paged_attention, it is decided at the first decode
+        step, not here: deciding builds the kernel (seconds, with dynamo and inductor
         imported), which kept a server's /health waiting ~5 s on every start."""
         if self._in_place is None:
             self._in_place = paged_attention.supported(self.config, self.keys.device, self.keys.dtype)
         return self._in_place
-
-    def warm_up(self) -> bool:
-        """Decide (and build) in_place now, so that the first decode step does not pay for it."""
-        return self.in_place
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes

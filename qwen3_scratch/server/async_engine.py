@@ -158,9 +158,6 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            # The in-place attention kernel builds here (seconds), after /health answers and before the first
-            # step: requests that arrive meanwhile wait in the inbox, and every step runs the same kernel.
-            self.engine.cache.warm_up()
             while not self._stop.is_set() and self.fatal is None:
                 self._drain(wait=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
