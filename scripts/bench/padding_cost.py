@@ -26,21 +26,22 @@ if str(ROOT) not in sys.path:
 
 from qwen3_scratch.checkpoint.placement import pick_dtype  # noqa: E402
 from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
-from qwen3_scratch.engine import model_runner, packed_view  # noqa: E402
+from qwen3_scratch.engine import model_runner  # noqa: E402
 from qwen3_scratch.engine.engine import LLMEngine  # noqa: E402
 from qwen3_scratch.sampling.params import SamplingParams  # noqa: E402
 
 
 @contextmanager
 def exact_shapes(exact: bool):
-    """Within it, the runner and the packed view pad nothing (padded_size is the identity), if exact."""
-    saved = model_runner.padded_size, packed_view.padded_size
+    """Within it, the runner pads no step (padded_size is the identity), if exact. Prompt rows' attention is
+    never padded (engine/packed_view.py's prompt_row says why)."""
+    saved = model_runner.padded_size
     if exact:
-        model_runner.padded_size = packed_view.padded_size = lambda n: n
+        model_runner.padded_size = lambda n: n
     try:
         yield
     finally:
-        model_runner.padded_size, packed_view.padded_size = saved
+        model_runner.padded_size = saved
 
 
 def prompts(n, low, high, vocab, seed=0):

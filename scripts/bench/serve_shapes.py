@@ -51,7 +51,7 @@ def step_shapes(input_ids, cache, logits_at) -> dict:
     if batch is not None and getattr(cache, "route", None) == "paged":
         B = batch.num_decodes
         found["decode attention"] = [(B, cache.decode_width)] if B else []
-        found["prompt attention"] = [tuple(row[2].shape[-2:]) for row in cache.prompt_rows]  # (Tp, Sp)
+        found["prompt attention"] = [tuple(row[2].shape[-2:]) for row in cache.prompt_rows]  # (T, S), exact
     found["step"] = [tuple(tuple(v) for v in found.values())]
     return found
 
