@@ -10,9 +10,9 @@ under serving"). So every size is rounded up, as vLLM rounds its CUDA-graph batc
     1, 2, 4, 8, 16, 32, then every multiple of 32
 
 which wastes at most 31 slots above 32 (under 50% at 33, under 7% at 512) and makes sizes up to n take
-about n / 32 + 6 shapes. One policy for rows (decode batches, the GPU graphs), tokens (the packed step), the
-logits rows and a prompt row's queries and keys (engine/batch.py and packed_view.py say how padding is kept
-from changing any real row).
+about n / 32 + 6 shapes. One policy for rows (decode batches, the GPU graphs), tokens (the packed step) and the
+logits rows (engine/batch.py says how padding is kept from changing any real row). A prompt row's queries
+and keys are not padded: masked pad keys change SDPA's last bits (packed_view.prompt_row).
 """
 
 SMALL = (1, 2, 4, 8, 16, 32)

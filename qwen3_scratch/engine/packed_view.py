@@ -6,9 +6,8 @@ into their slots of the pool, then attends row by row, by one of three routes, a
 
   - "paged" (the CPU's): the leading decode rows together, as one (B, H, 1, D) batch read in place
     (paged_attention.py) or gathered; each other row (a prompt chunk) alone: its blocks gathered and
-    attended with SDPA under its causal mask, as a prefill of that chunk alone would. Its queries and keys
-    are padded to buckets (buckets.py; `prompt_row`), since SDPA's CPU kernels are cached per shape;
-    the tokens of a step's pad row (batch.step_padded) attend nothing and get zeros;
+    attended with SDPA under its causal mask, as a prefill of that chunk alone would, with its exact queries
+    and keys (`prompt_row` says why they are not padded to buckets); the tokens of a step's pad row (batch.step_padded) attend nothing and get zeros;
   - "flex" (a GPU's): a decode step's rows in one FlexAttention call reading the pool in place (flex_paged.py),
     compiled for the step's static shapes (a decode bucket's: model_runner.py); a step with prompt rows
     takes the "paged" way, so that no shape that changes with every prompt reaches the compiler;
@@ -18,7 +17,7 @@ into their slots of the pool, then attends row by row, by one of three routes, a
     Its cost grows with rows x keys of all rows, so it is not the route a step takes.
 
 Shapes: N tokens, R rows, B decode rows, H query / K kv heads, D head_dim, W blocks per row,
-S keys of one row, Tp, Sp a prompt row's queries and keys padded, bs block_size.
+S keys of one row, T a prompt row's queries, bs block_size.
 """
 
 import torch
