@@ -145,13 +145,17 @@ class CPUDecoderLayer(DecoderLayer):
         return x + mlp.down_proj(h)
 
     def compiled_products(self) -> bool:
-        """True when every product of this layer is a compiled one-row loop (MatvecLinear, no bias): then the
-        kernels between them hand them fp32 rows and the down product adds the residual. Quantized layers
-        (int8, int4) take rows in the activations' dtype. Looked up once per layer."""
+        """True when every product of this layer is a compiled one-row loop (MatvecLinear, no bias) held by the
+        layer itself, not through a tensor-parallel wrapper: then the kernels between them hand them fp32 rows
+        and the down product adds the residual. Quantized layers (int8, int4) take rows in the activations'
+        dtype. Looked up once per layer."""
         wide = self.__dict__.get("_compiled_products")
         if wide is None:
             products = [m for m in self.modules() if hasattr(m, "in_features")]  # nn.Linear and its stand-ins
             wide = all(isinstance(m, MatvecLinear) and m.bias is None for m in products) and isinstance(self.mlp, MLP)
+            # the products must be the layer's own modules: a tensor-parallel wrapper (parallel/layers.py)
+            # holds a MatvecLinear but sums over ranks after it, so it takes neither fp32 rows nor add_to
+            wide = wide and all(isinstance(m, MatvecLinear) for m in (self.self_attn.o_proj, self.mlp.down_proj))
             self.__dict__["_compiled_products"] = wide
         return wide
 
