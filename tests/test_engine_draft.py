@@ -12,7 +12,7 @@ import torch
 from checkpoints import build_checkpoint, one_thread_for_tiny_shapes
 from make_tiny_checkpoint import make_tiny_checkpoint
 from test_engine_speculative import random_ids, run
-from test_speculative_sampling import chi_square, tiny_model
+from test_speculative_sampling import assert_2nd_and_3rd_tokens_follow_the_model, tiny_model
 
 from qwen3_scratch import Qwen3Error, load_model
 from qwen3_scratch.cli.serve import main as serve_main
@@ -138,20 +138,8 @@ def test_sampled_tokens_with_a_draft_are_distributed_as_without_speculation():
     n = 3000
     out = run(spec_engine, {str(seed): (prompt, SamplingParams(temperature=1.0, max_tokens=4, seed=seed))
                             for seed in range(n)})  # fmt: skip
-    counts = torch.zeros(2, 8)
-    for tokens, _, _ in out.values():
-        counts[0, tokens[1]] += 1
-        counts[1, tokens[2]] += 1
-    with torch.no_grad():
-        probs = lambda ids: target(torch.tensor([ids]))[0][-1].softmax(-1)  # noqa: E731
-        first = probs(prompt)
-        second = sum(first[a] * probs(prompt + [a]) for a in range(8))
-        third = sum(first[a] * probs(prompt + [a])[b] * probs(prompt + [a, b]) for a in range(8) for b in range(8))
-    s = spec_engine.speculator
-    assert 0.1 < s.num_accepted / s.num_proposed < 0.9, "acceptance too one-sided to test both paths"
-    for what, row, p in (("2nd token", counts[0], second), ("3rd token", counts[1], third)):
-        stat, p_value = chi_square(row, p)
-        assert p_value > 1e-6, f"{what}: chi-square {stat:.1f}, p-value {p_value:.2g}; {row.tolist()} vs {p.tolist()}"
+    assert_2nd_and_3rd_tokens_follow_the_model(target, prompt, [tokens for tokens, _, _ in out.values()],
+                                                spec_engine.speculator)  # fmt: skip
 
 
 def other_tokenizer(small_draft, folder):

@@ -9,7 +9,7 @@ import torch
 from checkpoints import one_thread_for_tiny_shapes
 from make_tiny_checkpoint import make_tiny_checkpoint
 from openai_server import serving
-from test_speculative_sampling import chi_square, tiny_model
+from test_speculative_sampling import assert_2nd_and_3rd_tokens_follow_the_model, tiny_model
 
 from qwen3_scratch import GenerationError, load_model
 from qwen3_scratch.cli.serve import main as serve_main
@@ -119,24 +119,11 @@ def test_sampled_tokens_are_distributed_as_without_speculation():
     n = 3000
     for seed in range(n):
         engine.add_request(str(seed), prompt, SamplingParams(temperature=1.0, max_tokens=3, seed=seed))
-    counts = torch.zeros(2, 8)
     out = {str(seed): [] for seed in range(n)}
     while engine.has_unfinished():
         for step in engine.step():
             out[step.request_id] += step.new_token_ids
-    for tokens in out.values():
-        counts[0, tokens[1]] += 1
-        counts[1, tokens[2]] += 1
-    with torch.no_grad():
-        probs = lambda ids: model(torch.tensor([ids]))[0][-1].softmax(-1)  # noqa: E731
-        first = probs(prompt)
-        second = sum(first[a] * probs(prompt + [a]) for a in range(8))
-        third = sum(first[a] * probs(prompt + [a])[b] * probs(prompt + [a, b]) for a in range(8) for b in range(8))
-    speculator = engine.speculator
-    assert 0.1 < speculator.num_accepted / speculator.num_proposed < 0.9, "acceptance too one-sided to test both paths"
-    for what, row, p in (("2nd token", counts[0], second), ("3rd token", counts[1], third)):
-        stat, p_value = chi_square(row, p)
-        assert p_value > 1e-6, f"{what}: chi-square {stat:.1f}, p-value {p_value:.2g}; {row.tolist()} vs {p.tolist()}"
+    assert_2nd_and_3rd_tokens_follow_the_model(model, prompt, out.values(), engine.speculator)
 
 
 @pytest.mark.parametrize("config, field", [

@@ -46,6 +46,25 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]
     return stat, float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
 
 
+def assert_2nd_and_3rd_tokens_follow_the_model(model, prompt: list[int], outputs, speculator) -> None:
+    """Each output's 2nd and 3rd tokens (token ids, vocab 8) drawn as the model's own sampling at temperature 1
+    draws them, by chi-square, with the speculator's acceptance far enough from 0 and 1 to test both paths."""
+    counts = torch.zeros(2, 8)
+    for tokens in outputs:
+        counts[0, tokens[1]] += 1
+        counts[1, tokens[2]] += 1
+    with torch.no_grad():
+        probs = lambda ids: model(torch.tensor([ids]))[0][-1].softmax(-1)  # noqa: E731
+        first = probs(prompt)
+        second = sum(first[a] * probs(prompt + [a]) for a in range(8))
+        third = sum(first[a] * probs(prompt + [a])[b] * probs(prompt + [a, b]) for a in range(8) for b in range(8))
+    acceptance = speculator.num_accepted / speculator.num_proposed
+    assert 0.1 < acceptance < 0.9, f"acceptance {acceptance:.2f} too one-sided to test both paths"
+    for what, row, p in (("2nd token", counts[0], second), ("3rd token", counts[1], third)):
+        stat, p_value = chi_square(row, p)
+        assert p_value > 1e-6, f"{what}: chi-square {stat:.1f}, p-value {p_value:.2g}; {row.tolist()} vs {p.tolist()}"
+
+
 def assert_distributed_as(counts, p, q, what):
     """counts ~ p at P_VALUE, nothing outside p's support, and the sample large enough to tell p from q."""
     assert counts[p == 0].sum() == 0, f"{what}: tokens the target's filters remove were produced: {counts.tolist()}"
