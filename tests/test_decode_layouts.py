@@ -104,7 +104,8 @@ def test_compiled_one_row_product_equals_linear(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dtype, monkeypatch):
-    """cpu_decode's kernels between the products keep eager's roundings: bf16 bit for bit (with the fp32
+    """cpu_decode's two kernels a layer (the products and the ops between them) keep eager's roundings and
+    the products' sums: bf16 bit for bit (with the fp32
     attention for short contexts off: it is the one part that rounds differently); fp32 within the float
     rounding of fused multiply-adds."""
     monkeypatch.setattr(cpu_decode, "SHORT_CONTEXT", 0)
@@ -113,6 +114,8 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     assert all(type(layer) is CPUDecoderLayer for layer in model.model.layers)
     tokens = ids(1, 40, seed=5)[0].tolist()
     fast = decode_logits(model, tokens, prompt_len=20).float()
+    halves = {cpu_decode.attention_inputs, cpu_decode.attention_output_and_mlp}
+    assert all(halves <= layer._kernels.keys() for layer in model.model.layers), "a layer is not its two kernels"
     for layer in model.model.layers:
         layer.__class__ = DecoderLayer
     eager = decode_logits(model, tokens, prompt_len=20).float()

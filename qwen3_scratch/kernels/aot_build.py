@@ -80,7 +80,7 @@ def build(key: dict) -> bool:
     """Package one kernel into its entry folder; True if it matched the inductor kernel bit for bit."""
     import torch._inductor  # the compiler: only this process pays its import
 
-    from .matvec import jit_kernel
+    from .matvec import inductor_options, jit_kernel
 
     fn, constants = resolve(key["function"]), key["constants"]
     examples = [example(shape, dtype) for shape, dtype in key["args"]]
@@ -89,7 +89,7 @@ def build(key: dict) -> bool:
     with torch.no_grad():
         program = torch.export.export(Kernel(fn, constants), tuple(examples), strict=False)
         partial = folder / ("partial-" + aot.PACKAGE)  # the packager wants a name ending in .pt2
-        options = {"emulate_precision_casts": True}  # as matvec.kernel's: eager's bf16 roundings
+        options = inductor_options(fn)  # as matvec.kernel's: eager's bf16 roundings, and fn's own
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
         expected = jit_kernel(fn, examples, constants)(*examples)
         outputs = 0 if isinstance(expected, torch.Tensor) else len(expected)

@@ -1,13 +1,21 @@
-"""A decoder layer's batch-1 decode step on a CPU, in a dozen calls instead of ~60.
+"""A decoder layer's batch-1 decode step on a CPU, in two kernel calls and its attention instead of ~60 ops.
 
 Once the matrix-vector products stream weights near the memory bandwidth (matvec.py), what is left
 of a decode step is everything between them: two RMSNorms, the q/k norms, RoPE, two residual adds
 and the SwiGLU gate are ~45 eager ops a layer on vectors of 1024 numbers, each a few microseconds of
-dispatch. Here each run of those ops between two products is one compiled kernel (matvec.kernel:
-inductor, no guards), so a layer is:
+dispatch. Here each half of a layer around its cache is one compiled graph (matvec.kernel: inductor,
+no guards; packaged ahead of time for later starts, aot.py), products included:
 
-    norm -> q/k/v products -> [q/k norm + RoPE] -> cache + attention (the model's own) -> o product
-    -> [residual + norm] -> gate/up products -> [SwiGLU] -> down product -> residual
+    [norm -> q/k/v products -> q/k norm + RoPE] -> cache + attention (the model's own, or below)
+    -> [o product -> residual + norm -> gate/up products -> SwiGLU -> down product + residual]
+
+Inductor is told to store every intermediate row (STORE_EVERY_BUFFER): left to itself it recomputes
+a norm's pointwise tail inside every weight row's loop of the products that read it (2x slower). So
+each product is matvec's own loop, the q/k/v and gate/up products share one parallel region, and the
+layer's ~11 calls and ~18 views become 2 calls. Bf16 decode at the 0.6B shapes, Intel Xeon with AMX:
+a step 125 -> 94 ms on 2 threads, 184 -> 161 ms on 1 (docs/performance.md, "Two kernels a layer").
+A layer whose products are not all its own plain MatvecLinears (int8, int4, tensor-parallel, fused
+q/k/v) runs the same ops as six smaller kernels around its products instead.
 
 The maths is the model's: the kernels trace model.rms_norm, rope.apply_rope and F.silu in the same
 order and dtypes, with eager's roundings to bf16. One exception, for speed: in bf16 (or fp16), while the
@@ -21,9 +29,9 @@ to the parity suite's bf16 bounds (16 greedy tokens as transformers'); with both
 bit-identical to the eager layers' (tests/test_decode_layouts.py). Everything that is not a batch-1
 decode step on a CPU (prefill, batches, the GPU) runs DecoderLayer.forward unchanged.
 
-What it buys is modest: bf16 decode at the 0.6B shapes 15.03 -> 15.72 tok/s (median of 8 alternating
-rounds, +5%), int8 +6% (docs/performance.md). The rest of a step that is not weight reads is the
-attention's two small matmuls (bf16: ~100 µs each a layer) and time outside any op.
+The first version (six kernels around separate products) bought +5% (bf16 15.03 -> 15.72 tok/s on the
+AMD EPYC) and int8 +6%; the whole halves buy more because the products themselves stream faster
+together (docs/performance.md).
 
 Shapes: C hidden_size, H query heads, K kv heads, D head_dim, F intermediate_size.
 """
@@ -35,7 +43,7 @@ from qwen3_scratch.model.kv_cache import KVCache, attention_mask
 from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, one_query_attention, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
-from .matvec import MatvecLinear, kernel
+from .matvec import MatvecLinear, kernel, matvec, matvec_add
 
 
 def heads(q, k, v, q_weight, k_weight, cos, sin, *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
@@ -64,6 +72,35 @@ def widen(h, wide: bool):
     widening here, inside the kernel that made h, spares a separate cast for each product that reads it
     (q, k, v; gate, up; down: six a layer). Exact: the bf16 rounding of h happens first, as in eager."""
     return h.float() if wide else h
+
+
+def attention_inputs(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, *,
+                     n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+    """A layer's first half up to its cache, as one kernel: norm -> q/k/v products -> q/k norm + RoPE.
+    x (1, 1, C) -> q (1, H, 1, D), k, v (1, K, 1, D); the weights are the layer's own (MatvecLinear's)."""
+    h = norm(x, norm_weight, eps=eps, wide=True).view(1, -1)  # (1, C) fp32
+    q, k, v = (matvec(h, w).view(1, 1, -1) for w in (q_weight, k_weight, v_weight))
+    return heads(q, k, v, q_norm_weight, k_norm_weight, cos, sin, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                 head_dim=head_dim, eps=eps)  # fmt: skip
+
+
+def attention_output_and_mlp(x, y, o_weight, norm_weight, gate_weight, up_weight, down_weight, *, eps: float):
+    """A layer's second half, as one kernel: o product -> residual + norm -> gate/up products -> SwiGLU ->
+    down product + residual. x (1, 1, C) the layer's input, y (1, 1, H*D) attention's output -> (1, 1, C)."""
+    x, h = residual_norm(x, matvec(y.view(1, -1).float(), o_weight).view(x.shape), norm_weight, eps=eps, wide=True)
+    h = h.view(1, -1)  # (1, C) fp32
+    h = swiglu(matvec(h, gate_weight), matvec(h, up_weight), wide=True)  # (F,) fp32
+    return matvec_add(h.view(1, -1), down_weight, x.view(-1)).view(x.shape)
+
+
+# The two halves compiled as single graphs: inductor must store each product's input row once (the norms'
+# and SwiGLU's outputs, read by 1-3 products) rather than inline its pointwise tail into every weight row's
+# loop, which it does by default for a buffer read this few times and which made such a graph ~2x slower
+# than the separate kernels. With every buffer realized, the products are the same loops as matvec's,
+# and bits equal the separate kernels' (tests/test_decode_layouts.py).
+STORE_EVERY_BUFFER = {"realize_reads_threshold": 0, "realize_opcount_threshold": 0,
+                      "realize_cpu_opcount_threshold": 0, "realize_cpu_acc_reads_threshold": 0}  # fmt: skip
+attention_inputs.inductor_config = attention_output_and_mlp.inductor_config = STORE_EVERY_BUFFER
 
 
 SHORT_CONTEXT = 256  # attended slots up to which half-precision attention runs in fp32 (0: never)
@@ -126,9 +163,16 @@ class CPUDecoderLayer(DecoderLayer):
             return super().forward(x, cos, sin, mask, cache, cache_slots)  # torch.compile traces the plain maths
         attn, mlp = self.self_attn, self.mlp
         eps, wide = self.input_layernorm.eps, self.compiled_products()
+        shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
+        if wide and self.whole_halves():  # two kernels a layer around its attention
+            q, k, v = self.kernel(attention_inputs, x, self.input_layernorm.weight, attn.q_proj.weight,
+                                  attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight, attn.k_norm.weight,
+                                  cos, sin, **shape)  # fmt: skip
+            y = pick_attention(attn, q, mask)(attn, q, k, v, mask, cache, cache_slots)  # (1, 1, H*D)
+            return self.kernel(attention_output_and_mlp, x, y, attn.o_proj.weight, self.post_attention_layernorm.weight,
+                               mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, eps=eps)  # fmt: skip
         h = self.kernel(norm, x, self.input_layernorm.weight, eps=eps, wide=wide)
         q, k, v = attn.project_qkv(h)  # (1, 1, H*D), (1, 1, K*D), (1, 1, K*D)
-        shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
         q, k, v = self.kernel(heads, q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, **shape)
         attend = pick_attention(attn, q, mask)
         y = attn.o_proj(attend(attn, q, k, v, mask, cache, cache_slots))  # (1, 1, C)
@@ -159,6 +203,11 @@ class CPUDecoderLayer(DecoderLayer):
             self.__dict__["_compiled_products"] = wide
         return wide
 
+    def whole_halves(self) -> bool:
+        """True when the layer has the checkpoint's own q/k/v and gate/up matrices (the "decode" layout), which
+        the two halves' kernels read: then a layer is two kernel calls and its attention."""
+        return not hasattr(self.self_attn, "qkv_proj") and not hasattr(self.mlp, "gate_up_proj")
+
     def kernel(self, fn, *args, **constants):
         """fn's compiled kernel, looked up once per layer and function (every decode step has the same
         shapes), called on contiguous arguments as compiled."""
@@ -181,4 +230,6 @@ def use_cpu_decoder_layers(model: Qwen3) -> Qwen3:
     slot = torch.zeros(1, dtype=torch.long)
     cos, sin = model.rope_cos[slot][None], model.rope_sin[slot][None]  # (1, 1, D): position 0
     model.model.layers[0](torch.zeros(1, 1, C, dtype=dtype), cos, sin, attention_mask(slot, cache.key_valid), cache, slot)
+    if isinstance(model.lm_head, MatvecLinear):
+        model.lm_head.kernel  # noqa: B018 (built now, as the layers' kernels)
     return model

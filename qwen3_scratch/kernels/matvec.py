@@ -98,7 +98,14 @@ def jit_kernel(fn, args, constants: dict):
     # traced on fake tensors: a real trace would compute W.float() * x, (N, K) floats
     graph = make_fx(lambda *tensors: fn(*tensors, **constants), tracing_mode="fake")(*examples)
     with cacheable():
-        return torch._inductor.compile(graph, examples, options={"emulate_precision_casts": True})
+        return torch._inductor.compile(graph, examples, options=inductor_options(fn))
+
+
+def inductor_options(fn) -> dict:
+    """The inductor config fn is compiled with, here and by the ahead-of-time builder (aot_build.py):
+    eager's bf16 roundings, and whatever the function asks for (its `inductor_config`; cpu_decode.py's
+    whole-half kernels ask to store every intermediate buffer)."""
+    return {"emulate_precision_casts": True, **getattr(fn, "inductor_config", {})}
 
 
 def cacheable():
@@ -144,7 +151,15 @@ class MatvecLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.split_sizes = getattr(linear, "split_sizes", None)
-        self.kernel = kernel(matvec, torch.empty(1, self.in_features), self.weight)
+
+    @property
+    def kernel(self):
+        """The compiled loop for this shape, obtained at its first use: a decode layer's products run inside
+        its two whole-half kernels (cpu_decode.py), so most matrices never need one of their own."""
+        compiled = self.__dict__.get("_kernel")
+        if compiled is None:
+            compiled = self.__dict__["_kernel"] = kernel(matvec, torch.empty(1, self.in_features), self.weight)
+        return compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not one_row(x, self.in_features):

@@ -1,7 +1,13 @@
 """One batch-1 greedy decode step's time at the 0.6B shapes (bf16, decode layout), and the part of it
-that is not a weight read: the step minus its products run alone (every matrix's compiled one-row loop,
-the same inputs, back to back), so what is left is attention, the kernels between the products, Python
-and sampling.
+that is not a weight read, two ways:
+
+- rest_ms: the step minus its products run alone (every matrix's own compiled one-row loop, the same
+  inputs, back to back): attention, the kernels between the products, Python and sampling. Since a
+  layer runs as two whole-half kernels (kernels/cpu_decode.py), whose products stream faster than the
+  separate loops, this goes below zero;
+- over_limit_ms: the step minus the time to read its weights once at the copy bandwidth measured in
+  the same process (generation.stats.measure_bandwidth, its threads): what the step spends beyond the
+  memory's limit, whatever it is.
 
     python scripts/bench/step_time.py --threads 1                  # this checkout
     PYTHONPATH=/other/checkout python scripts/bench/step_time.py   # another (alternate the two, compare medians)
@@ -18,6 +24,7 @@ import torch
 
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch
+from qwen3_scratch.generation.stats import measure_bandwidth
 from qwen3_scratch.kernels.matvec import MatvecLinear
 from qwen3_scratch.sampling.logits import LogitsFilter, sample
 
@@ -50,8 +57,10 @@ def main():
             steps.append(time.perf_counter() - start)
             products.append(products_alone(model))
     step, product = (statistics.median(t[8:]) * 1e3 for t in (steps, products))  # the first 8 warm up
+    weight_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, MatvecLinear))
+    limit = weight_bytes / measure_bandwidth("cpu") * 1e3
     print(json.dumps(dict(threads=args.threads, step_ms=round(step, 2), products_ms=round(product, 2),
-                          rest_ms=round(step - product, 2))))
+                          rest_ms=round(step - product, 2), limit_ms=round(limit, 2), over_limit_ms=round(step - limit, 2))))
 
 
 if __name__ == "__main__":
