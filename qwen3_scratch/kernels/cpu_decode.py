@@ -38,12 +38,14 @@ Shapes: C hidden_size, H query heads, K kv heads, D head_dim, F intermediate_siz
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from qwen3_scratch.model.kv_cache import KVCache, attention_mask
 from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, one_query_attention, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
-from .matvec import MatvecLinear, kernel, matvec, matvec_add
+from .matvec import MatvecLinear, kernel, matvec, matvec_int8
+from .quantize import Int8Linear
 
 
 def heads(q, k, v, q_weight, k_weight, cos, sin, *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
@@ -74,23 +76,62 @@ def widen(h, wide: bool):
     return h.float() if wide else h
 
 
-def attention_inputs(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, *,
-                     n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
-    """A layer's first half up to its cache, as one kernel: norm -> q/k/v products -> q/k norm + RoPE.
-    x (1, 1, C) -> q (1, H, 1, D), k, v (1, K, 1, D); the weights are the layer's own (MatvecLinear's)."""
+def product(h, weight, scales=None):
+    """One product inside a whole-half kernel: h (1, K) fp32 -> (N,), matvec's loop, or int8's (scales given)."""
+    return matvec(h, weight) if scales is None else matvec_int8(h, weight, scales)
+
+
+def first_half(x, norm_weight, projections, q_norm_weight, k_norm_weight, cos, sin, *, n_heads, n_kv_heads, head_dim, eps):
+    """norm -> q/k/v products -> q/k norm + RoPE. projections: q's, k's and v's (weight,) or (weight, scales),
+    or one fused q/k/v product's."""
     h = norm(x, norm_weight, eps=eps, wide=True).view(1, -1)  # (1, C) fp32
-    q, k, v = (matvec(h, w).view(1, 1, -1) for w in (q_weight, k_weight, v_weight))
+    if len(projections) == 1:  # q/k/v fused (fuse.py): one product, rows split
+        q, k, v = product(h, *projections[0]).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim])
+    else:
+        q, k, v = (product(h, *weights) for weights in projections)
+    q, k, v = (t.contiguous().view(1, 1, -1) for t in (q, k, v))
     return heads(q, k, v, q_norm_weight, k_norm_weight, cos, sin, n_heads=n_heads, n_kv_heads=n_kv_heads,
                  head_dim=head_dim, eps=eps)  # fmt: skip
 
 
-def attention_output_and_mlp(x, y, o_weight, norm_weight, gate_weight, up_weight, down_weight, *, eps: float):
-    """A layer's second half, as one kernel: o product -> residual + norm -> gate/up products -> SwiGLU ->
-    down product + residual. x (1, 1, C) the layer's input, y (1, 1, H*D) attention's output -> (1, 1, C)."""
-    x, h = residual_norm(x, matvec(y.view(1, -1).float(), o_weight).view(x.shape), norm_weight, eps=eps, wide=True)
+def second_half(x, y, o, norm_weight, gate_up, down, *, eps: float):
+    """o product -> residual + norm -> gate/up products -> SwiGLU -> down product + residual. gate_up: gate's
+    and up's (weight,) or (weight, scales), or one fused gate/up product's."""
+    x, h = residual_norm(x, product(y.view(1, -1).float(), *o).view(x.shape), norm_weight, eps=eps, wide=True)
     h = h.view(1, -1)  # (1, C) fp32
-    h = swiglu(matvec(h, gate_weight), matvec(h, up_weight), wide=True)  # (F,) fp32
-    return matvec_add(h.view(1, -1), down_weight, x.view(-1)).view(x.shape)
+    if len(gate_up) == 1:  # gate/up fused (fuse.py): one product, rows split in half
+        gate, up = product(h, *gate_up[0]).chunk(2)
+    else:
+        gate, up = (product(h, *weights) for weights in gate_up)
+    h = swiglu(gate.contiguous(), up.contiguous(), wide=True)  # (F,) fp32
+    return (x.view(-1) + product(h.view(1, -1), *down)).view(x.shape)  # rounded, then added: as eager
+
+
+def attention_inputs(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, *,
+                     n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+    """A layer's first half up to its cache, as one kernel: x (1, 1, C) -> q (1, H, 1, D), k, v (1, K, 1, D)."""
+    return first_half(x, norm_weight, [(q_weight,), (k_weight,), (v_weight,)], q_norm_weight, k_norm_weight, cos, sin,
+                      n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, eps=eps)  # fmt: skip
+
+
+def attention_output_and_mlp(x, y, o_weight, norm_weight, gate_weight, up_weight, down_weight, *, eps: float):
+    """A layer's second half, as one kernel: x (1, 1, C) the layer's input, y (1, 1, H*D) attention's output
+    -> the layer's output (1, 1, C)."""
+    return second_half(x, y, (o_weight,), norm_weight, [(gate_weight,), (up_weight,)], (down_weight,), eps=eps)
+
+
+def attention_inputs_int8(x, norm_weight, qkv_weight, qkv_scales, q_norm_weight, k_norm_weight, cos, sin, *,
+                          n_heads: int, n_kv_heads: int, head_dim: int, eps: float):  # fmt: skip
+    """attention_inputs over one fused int8 q/k/v product (quantize.Int8Linear: weight and row scales)."""
+    return first_half(x, norm_weight, [(qkv_weight, qkv_scales)], q_norm_weight, k_norm_weight, cos, sin,
+                      n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, eps=eps)  # fmt: skip
+
+
+def attention_output_and_mlp_int8(x, y, o_weight, o_scales, norm_weight, gate_up_weight, gate_up_scales,
+                                  down_weight, down_scales, *, eps: float):  # fmt: skip
+    """attention_output_and_mlp over int8 products, gate/up fused."""
+    return second_half(x, y, (o_weight, o_scales), norm_weight, [(gate_up_weight, gate_up_scales)],
+                       (down_weight, down_scales), eps=eps)  # fmt: skip
 
 
 # The two halves compiled as single graphs: inductor must store each product's input row once (the norms'
@@ -100,7 +141,10 @@ def attention_output_and_mlp(x, y, o_weight, norm_weight, gate_weight, up_weight
 # and bits equal the separate kernels' (tests/test_decode_layouts.py).
 STORE_EVERY_BUFFER = {"realize_reads_threshold": 0, "realize_opcount_threshold": 0,
                       "realize_cpu_opcount_threshold": 0, "realize_cpu_acc_reads_threshold": 0}  # fmt: skip
-attention_inputs.inductor_config = attention_output_and_mlp.inductor_config = STORE_EVERY_BUFFER
+for half in (attention_inputs, attention_output_and_mlp, attention_inputs_int8, attention_output_and_mlp_int8):
+    half.inductor_config = STORE_EVERY_BUFFER
+HALVES = {"float": (attention_inputs, attention_output_and_mlp),
+          "int8": (attention_inputs_int8, attention_output_and_mlp_int8)}  # fmt: skip
 
 
 SHORT_CONTEXT = 256  # attended slots up to which half-precision attention runs in fp32 (0: never)
@@ -164,13 +208,15 @@ class CPUDecoderLayer(DecoderLayer):
         attn, mlp = self.self_attn, self.mlp
         eps, wide = self.input_layernorm.eps, self.compiled_products()
         shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
-        if wide and self.whole_halves():  # two kernels a layer around its attention
-            q, k, v = self.kernel(attention_inputs, x, self.input_layernorm.weight, attn.q_proj.weight,
-                                  attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight, attn.k_norm.weight,
-                                  cos, sin, **shape)  # fmt: skip
+        scheme = self.whole_halves()
+        if scheme is not None:  # two kernels a layer around its attention
+            first, second = HALVES[scheme]
+            qkv, o, gate_up, down = self.products()
+            q, k, v = self.kernel(first, x, self.input_layernorm.weight, *self.weights(*qkv), attn.q_norm.weight,
+                                  attn.k_norm.weight, cos, sin, **shape)  # fmt: skip
             y = pick_attention(attn, q, mask)(attn, q, k, v, mask, cache, cache_slots)  # (1, 1, H*D)
-            return self.kernel(attention_output_and_mlp, x, y, attn.o_proj.weight, self.post_attention_layernorm.weight,
-                               mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, eps=eps)  # fmt: skip
+            return self.kernel(second, x, y, *self.weights(o), self.post_attention_layernorm.weight,
+                               *self.weights(*gate_up, down), eps=eps)  # fmt: skip
         h = self.kernel(norm, x, self.input_layernorm.weight, eps=eps, wide=wide)
         q, k, v = attn.project_qkv(h)  # (1, 1, H*D), (1, 1, K*D), (1, 1, K*D)
         q, k, v = self.kernel(heads, q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, **shape)
@@ -203,10 +249,36 @@ class CPUDecoderLayer(DecoderLayer):
             self.__dict__["_compiled_products"] = wide
         return wide
 
-    def whole_halves(self) -> bool:
-        """True when the layer has the checkpoint's own q/k/v and gate/up matrices (the "decode" layout), which
-        the two halves' kernels read: then a layer is two kernel calls and its attention."""
-        return not hasattr(self.self_attn, "qkv_proj") and not hasattr(self.mlp, "gate_up_proj")
+    def whole_halves(self) -> str | None:
+        """"float" or "int8" when the layer runs as two whole-half kernels, else None: a dense layer whose
+        products are its own (not through a tensor-parallel wrapper), without bias, either the "decode"
+        layout's MatvecLinears over the checkpoint's own matrices or int8 ones on their compiled CPU loop
+        (q/k/v and gate/up fused, as quantize_model lays them out). Looked up once per layer."""
+        if "_whole_halves" not in self.__dict__:
+            attn, mlp, scheme = self.self_attn, self.mlp, None
+            if isinstance(mlp, MLP):
+                fused = (hasattr(attn, "qkv_proj"), hasattr(mlp, "gate_up_proj"))
+                qkv, o, gate_up, down = self.products()
+                products = [*qkv, o, *gate_up, down]
+                if fused == (False, False) and all(isinstance(m, MatvecLinear) and m.bias is None for m in products):
+                    scheme = "float"
+                int8 = [isinstance(m, Int8Linear) and m.route == "cpu" and m.kernel is not None for m in products]
+                if fused == (True, True) and all(int8) and all(m.bias is None for m in products):
+                    scheme = "int8"
+            self.__dict__["_whole_halves"] = scheme
+        return self.__dict__["_whole_halves"]
+
+    def products(self) -> tuple[list, nn.Module, list, nn.Module]:
+        """The layer's products: q/k/v (fused or three), o, gate/up (fused or two), down."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+        return qkv, attn.o_proj, gate_up, mlp.down_proj
+
+    @staticmethod
+    def weights(*products) -> list[torch.Tensor]:
+        """The tensors a whole-half kernel reads for these products: each one's weight, and its scales if int8."""
+        return [t for m in products for t in ((m.weight, m.scales) if isinstance(m, Int8Linear) else (m.weight,))]
 
     def kernel(self, fn, *args, **constants):
         """fn's compiled kernel, looked up once per layer and function (every decode step has the same

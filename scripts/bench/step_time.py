@@ -26,16 +26,22 @@ from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch
 from qwen3_scratch.generation.stats import measure_bandwidth
 from qwen3_scratch.kernels.matvec import MatvecLinear
+from qwen3_scratch.kernels.quantize import Int8Linear
 from qwen3_scratch.sampling.logits import LogitsFilter, sample
 
 
+def step_products(model) -> list:
+    """The one-row products of a step: the decode layout's MatvecLinears, or int8's Int8Linears."""
+    return [m for m in model.modules() if isinstance(m, (MatvecLinear, Int8Linear))]
+
+
 def products_alone(model) -> float:
-    """Seconds for every one-row product of a step (the decode layout's MatvecLinear kernels) alone."""
-    linears = [m for m in model.modules() if isinstance(m, MatvecLinear)]
+    """Seconds for every one-row product of a step (each matrix's own compiled loop) alone."""
+    linears = step_products(model)
     rows = [torch.randn(1, m.in_features) for m in linears]
     start = time.perf_counter()
     for m, x in zip(linears, rows):
-        m.kernel(x, m.weight)
+        m.kernel(x, m.weight) if isinstance(m, MatvecLinear) else m.kernel(x, m.weight, m.scales)
     return time.perf_counter() - start
 
 
@@ -44,9 +50,10 @@ def main():
     parser.add_argument("--checkpoint", default="/work/weights/qwen3-0.6b-shapes")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights (bf16 activations)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.checkpoint, "cpu", torch.bfloat16, optimize="decode")
+    model = load_model(args.checkpoint, "cpu", torch.bfloat16, optimize="decode", quantize=args.quantize)
     loop = CachedLoop(model, PaddedBatch.left_pad([list(range(100, 116))], 0, "cpu"), args.steps + 8)
     greedy, steps, products = LogitsFilter(temperature=0.0), [], []
     with torch.no_grad():
@@ -57,9 +64,9 @@ def main():
             steps.append(time.perf_counter() - start)
             products.append(products_alone(model))
     step, product = (statistics.median(t[8:]) * 1e3 for t in (steps, products))  # the first 8 warm up
-    weight_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, MatvecLinear))
+    weight_bytes = sum(t.nbytes for m in step_products(model) for t in (m.weight, getattr(m, "scales", m.weight[:0])))
     limit = weight_bytes / measure_bandwidth("cpu") * 1e3
-    print(json.dumps(dict(threads=args.threads, step_ms=round(step, 2), products_ms=round(product, 2),
+    print(json.dumps(dict(threads=args.threads, quantize=args.quantize, step_ms=round(step, 2), products_ms=round(product, 2),
                           rest_ms=round(step - product, 2), limit_ms=round(limit, 2), over_limit_ms=round(step - limit, 2))))
 
 
