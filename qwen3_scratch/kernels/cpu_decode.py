@@ -9,11 +9,11 @@ no guards; packaged ahead of time for later starts, aot.py), products included:
     [norm -> q/k/v products -> q/k norm + RoPE] -> cache + attention (the model's own, or below)
     -> [o product -> residual + norm -> gate/up products -> SwiGLU -> down product + residual]
 
-Inductor is told to store every intermediate row (STORE_EVERY_BUFFER): left to itself it recomputes
-a norm's pointwise tail inside every weight row's loop of the products that read it (2x slower). So
-each product is matvec's own loop, the q/k/v and gate/up products share one parallel region, and the
-layer's ~11 calls and ~18 views become 2 calls. Bf16 decode at the 0.6B shapes, Intel Xeon with AMX:
-a step 125 -> 94 ms on 2 threads, 184 -> 161 ms on 1 (docs/performance.md, "Two kernels a layer").
+Inductor is told to store each product's input row (STORE_PRODUCT_INPUTS; int8: STORE_EVERY_BUFFER):
+left to itself it recomputes a norm's pointwise tail inside every weight row's loop of the products
+that read it (2x slower). So each product is matvec's own loop, and the layer's ~11 calls and ~18
+views become 2 calls. Bf16 decode at the 0.6B shapes, Intel Xeon with AMX, 2 threads: a step 125 ->
+94 ms, then 94 -> 84 with matvec.row_sums' unrollable runs (docs/performance.md, "Two kernels a layer").
 A layer whose products are not all its own plain MatvecLinears (int8, int4, tensor-parallel, fused
 q/k/v) runs the same ops as six smaller kernels around its products instead.
 
@@ -137,12 +137,15 @@ def attention_output_and_mlp_int8(x, y, o_weight, o_scales, norm_weight, gate_up
 # The two halves compiled as single graphs: inductor must store each product's input row once (the norms'
 # and SwiGLU's outputs, read by 1-3 products) rather than inline its pointwise tail into every weight row's
 # loop, which it does by default for a buffer read this few times and which made such a graph ~2x slower
-# than the separate kernels. With every buffer realized, the products are the same loops as matvec's,
-# and bits equal the separate kernels' (tests/test_decode_layouts.py).
+# than the separate kernels. Float products (matvec.row_sums' runs) need only that; int8 products (one run
+# per row) were faster with every intermediate stored, and 2x slower with only that (docs/performance.md).
+# Either way the products are the same loops as the separate kernels', and bits equal theirs
+# (tests/test_decode_layouts.py).
+STORE_PRODUCT_INPUTS = {"realize_reads_threshold": 0}
 STORE_EVERY_BUFFER = {"realize_reads_threshold": 0, "realize_opcount_threshold": 0,
                       "realize_cpu_opcount_threshold": 0, "realize_cpu_acc_reads_threshold": 0}  # fmt: skip
-for half in (attention_inputs, attention_output_and_mlp, attention_inputs_int8, attention_output_and_mlp_int8):
-    half.inductor_config = STORE_EVERY_BUFFER
+attention_inputs.inductor_config = attention_output_and_mlp.inductor_config = STORE_PRODUCT_INPUTS
+attention_inputs_int8.inductor_config = attention_output_and_mlp_int8.inductor_config = STORE_EVERY_BUFFER
 HALVES = {"float": (attention_inputs, attention_output_and_mlp),
           "int8": (attention_inputs_int8, attention_output_and_mlp_int8)}  # fmt: skip
 
