@@ -14,8 +14,9 @@ left to itself it recomputes a norm's pointwise tail inside every weight row's l
 that read it (2x slower). So each product is matvec's own loop, and the layer's ~11 calls and ~18
 views become 2 calls. Bf16 decode at the 0.6B shapes, Intel Xeon with AMX, 2 threads: a step 125 ->
 94 ms, then 94 -> 84 with matvec.row_sums' unrollable runs (docs/performance.md, "Two kernels a layer").
-A layer whose products are not all its own plain MatvecLinears (int8, int4, tensor-parallel, fused
-q/k/v) runs the same ops as six smaller kernels around its products instead.
+int8 layers run the same two halves over their int8 products. Any other layer (int4, tensor-parallel,
+a mixture of experts, the "batch" layout's fused float matrices) runs the same ops as four smaller
+kernels around its separate products instead.
 
 The maths is the model's: the kernels trace model.rms_norm, rope.apply_rope and F.silu in the same
 order and dtypes, with eager's roundings to bf16. One exception, for speed: in bf16 (or fp16), while the
