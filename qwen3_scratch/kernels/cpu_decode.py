@@ -210,7 +210,7 @@ class CPUDecoderLayer(DecoderLayer):
         if x.shape[:2] != (1, 1) or cache is None or x.device.type != "cpu" or torch.compiler.is_compiling():
             return super().forward(x, cos, sin, mask, cache, cache_slots)  # torch.compile traces the plain maths
         attn, mlp = self.self_attn, self.mlp
-        eps, wide = self.input_layernorm.eps, self.compiled_products()
+        eps = self.input_layernorm.eps
         shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
         scheme = self.whole_halves()
         if scheme is not None:  # two kernels a layer around its attention
@@ -221,37 +221,22 @@ class CPUDecoderLayer(DecoderLayer):
             y = pick_attention(attn, q, mask)(attn, q, k, v, mask, cache, cache_slots)  # (1, 1, H*D)
             return self.kernel(second, x, y, *self.weights(o), self.post_attention_layernorm.weight,
                                *self.weights(*gate_up, down), eps=eps)  # fmt: skip
-        h = self.kernel(norm, x, self.input_layernorm.weight, eps=eps, wide=wide)
+        # any other layer: its products as they are (int4, tensor-parallel, a mixture of experts), the ops between
+        # them as four kernels taking and giving rows in the activations' dtype
+        h = self.kernel(norm, x, self.input_layernorm.weight, eps=eps, wide=False)
         q, k, v = attn.project_qkv(h)  # (1, 1, H*D), (1, 1, K*D), (1, 1, K*D)
         q, k, v = self.kernel(heads, q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, **shape)
         attend = pick_attention(attn, q, mask)
         y = attn.o_proj(attend(attn, q, k, v, mask, cache, cache_slots))  # (1, 1, C)
-        x, h = self.kernel(residual_norm, x, y, self.post_attention_layernorm.weight, eps=eps, wide=wide)
+        x, h = self.kernel(residual_norm, x, y, self.post_attention_layernorm.weight, eps=eps, wide=False)
         if not isinstance(mlp, MLP):  # a mixture of experts keeps its own forward (model/moe.py)
             return x + mlp(h)
         if hasattr(mlp, "gate_up_proj"):
             gate, up = mlp.gate_up_proj(h).split(mlp.gate_up_proj.split_sizes, dim=-1)
         else:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        h = self.kernel(swiglu, gate.contiguous(), up.contiguous(), wide=wide)
-        if wide:  # the residual add inside the down product's kernel
-            return mlp.down_proj.add_to(x, h)
+        h = self.kernel(swiglu, gate.contiguous(), up.contiguous(), wide=False)
         return x + mlp.down_proj(h)
-
-    def compiled_products(self) -> bool:
-        """True when every product of this layer is a compiled one-row loop (MatvecLinear, no bias) held by the
-        layer itself, not through a tensor-parallel wrapper: then the kernels between them hand them fp32 rows
-        and the down product adds the residual. Quantized layers (int8, int4) take rows in the activations'
-        dtype. Looked up once per layer."""
-        wide = self.__dict__.get("_compiled_products")
-        if wide is None:
-            products = [m for m in self.modules() if hasattr(m, "in_features")]  # nn.Linear and its stand-ins
-            wide = all(isinstance(m, MatvecLinear) and m.bias is None for m in products) and isinstance(self.mlp, MLP)
-            # the products must be the layer's own modules: a tensor-parallel wrapper (parallel/layers.py)
-            # holds a MatvecLinear but sums over ranks after it, so it takes neither fp32 rows nor add_to
-            wide = wide and all(isinstance(m, MatvecLinear) for m in (self.self_attn.o_proj, self.mlp.down_proj))
-            self.__dict__["_compiled_products"] = wide
-        return wide
 
     def whole_halves(self) -> str | None:
         """"float" or "int8" when the layer runs as two whole-half kernels, else None: a dense layer whose

@@ -66,12 +66,6 @@ def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return row_sums(x, weight).to(weight.dtype)
 
 
-def matvec_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual (N,) + matvec(x, weight): the product rounded to weight's dtype, then the add, as eager's
-    `residual + linear(x)` (a layer's last residual add, inside its down product's kernel)."""
-    return residual + matvec(x, weight)
-
-
 def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (1, K) fp32, int8 weight (N, K), one scale per row (N,) in the activations' dtype -> (N,) in it.
 
@@ -185,14 +179,6 @@ class MatvecLinear(nn.Module):
         y = product(x.reshape(1, self.in_features).float().contiguous(), self.weight)  # (N,)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
-
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + self(x) for one fp32 row x (1, 1, K) and no bias, in one kernel: residual (1, 1, N)."""
-        args = (x.view(1, self.in_features), self.weight, residual.view(-1))  # (1, K), (N, K), (N,)
-        add = self.__dict__.get("_add")
-        if add is None:
-            add = self.__dict__["_add"] = kernel(matvec_add, *args)
-        return add(*args).view(residual.shape)
 
 
 def can_use_matvec(model: Qwen3) -> bool:
