@@ -182,3 +182,16 @@ def one_thread_for_tiny_shapes():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def random_ids(length: int, seed: int) -> list[int]:
+    """A prompt of `length` random ids in the tiny checkpoints' vocabulary, the same for a seed."""
+    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy_alone(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens for one prompt run by the simple loop: what the engine must give it in any batch."""
+    from qwen3_scratch.generation.loops import generate_tokens
+    from qwen3_scratch.sampling.logits import LogitsFilter
+
+    return [int(t[0]) for t in generate_tokens(model, [ids], n, LogitsFilter(temperature=0.0))]

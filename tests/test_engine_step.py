@@ -7,7 +7,7 @@ greedy: tokens must be identical, logits equal within float rounding.
 
 import pytest
 import torch
-from checkpoints import one_thread_for_tiny_shapes
+from checkpoints import greedy_alone, one_thread_for_tiny_shapes, random_ids
 from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch import GenerationError, load_model
@@ -20,8 +20,6 @@ from qwen3_scratch.engine.model_runner import ModelRunner
 from qwen3_scratch.engine.packed_view import PackedView
 from qwen3_scratch.engine.paged_cache import PagedKVCache
 from qwen3_scratch.engine.scheduler import Chunk, ScheduledBatch, Sequence
-from qwen3_scratch.generation.loops import generate_tokens
-from qwen3_scratch.sampling.logits import LogitsFilter
 from qwen3_scratch.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -33,14 +31,6 @@ one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_tiny_sh
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("step") / "tiny"))
-
-
-def prompt(length, seed):
-    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def alone(model, ids, n):
-    return [int(t[0]) for t in generate_tokens(model, [ids], n, LogitsFilter(temperature=0.0))]
 
 
 def count_forwards(model):
@@ -61,8 +51,8 @@ def run(engine, prompts, n):
     return [out[str(i)] for i in range(len(prompts))]
 
 
-SHARED = prompt(20, seed=1)
-PROMPTS = [prompt(5, 2), prompt(33, 3), SHARED + prompt(7, 4), prompt(1, 5), prompt(12, 6), SHARED + prompt(3, 7)]
+SHARED = random_ids(20, seed=1)
+PROMPTS = [random_ids(5, 2), random_ids(33, 3), SHARED + random_ids(7, 4), random_ids(1, 5), random_ids(12, 6), SHARED + random_ids(3, 7)]
 
 
 def test_a_step_of_several_prompts_is_one_forward_and_gives_the_simple_loops_tokens(model):
@@ -83,7 +73,7 @@ def test_a_step_of_several_prompts_is_one_forward_and_gives_the_simple_loops_tok
         handle.remove()
     assert len(calls) == engine.runner.num_forwards == 10, "10 steps (a prefill, 9 decodes), one forward each"
     for i, ids in enumerate(PROMPTS):
-        assert got[str(i)] == alone(model, ids, 10), f"prompt {i} (length {len(ids)}) differs from the simple loop"
+        assert got[str(i)] == greedy_alone(model, ids, 10), f"prompt {i} (length {len(ids)}) differs from the simple loop"
 
 
 def test_packing_does_not_change_tokens_against_each_request_run_through_the_engine_alone(model):
@@ -92,7 +82,7 @@ def test_packing_does_not_change_tokens_against_each_request_run_through_the_eng
     packed = run(LLMEngine(model, None, [], num_blocks=64, block_size=8, max_num_batched_tokens=16), PROMPTS, 10)
     for i, ids in enumerate(PROMPTS):
         one = run(LLMEngine(model, None, [], num_blocks=64, block_size=8, max_num_seqs=1), [ids], 10)[0]
-        assert packed[i] == one == alone(model, ids, 10), f"prompt {i}: packed, alone in the engine, simple loop"
+        assert packed[i] == one == greedy_alone(model, ids, 10), f"prompt {i}: packed, alone in the engine, simple loop"
 
 
 def mixed_step(model, route, block_size=4):
@@ -100,7 +90,7 @@ def mixed_step(model, route, block_size=4):
     prefix): its logits (M, V) through `route`, from a pool prefilled identically."""
     blocks, cache = BlockManager(32, block_size), PagedKVCache(model.config, 32, block_size)
     runner = ModelRunner(model, cache, route=route)
-    lines = [SHARED + [5, 6], prompt(9, 8), SHARED[:13], prompt(11, 9), SHARED + prompt(6, 10)]
+    lines = [SHARED + [5, 6], random_ids(9, 8), SHARED[:13], random_ids(11, 9), SHARED + random_ids(6, 10)]
     done = [len(lines[0]) - 1, len(lines[1]) - 1, len(lines[2]) - 1, 4, 20]  # tokens already in the cache
     seqs, reference = [], ModelRunner(model, cache, route="reference")
     for i, (ids, n) in enumerate(zip(lines, done)):  # the same prefill for every route, prefix caching on
@@ -127,7 +117,7 @@ def decode_rows(model, cache, lengths, block_size=4):
     blocks = BlockManager(cache.num_blocks, block_size)
     chunks = []
     for i, n in enumerate(lengths):
-        ids = prompt(n, 20 + i)
+        ids = random_ids(n, 20 + i)
         seq = Sequence(str(i), ids, n, SamplingParams(), 4, frozenset())
         seq.block_table, _ = blocks.allocate(ids)
         ModelRunner(model, cache).run(ScheduledBatch(prefills=[Chunk(seq, 0, n - 1)]))
@@ -183,7 +173,7 @@ def test_replayed_graphs_give_the_simple_loops_tokens_and_capture_once_per_bucke
     graphs = engine.runner.graphs
     assert graphs.replays > 10 and set(graphs.graphs) >= {2, 4, 8}, "decode steps of 8, 4, 2 rows replayed"
     for i, ids in enumerate(PROMPTS[:5]):
-        assert got[str(i)] == alone(model, ids, lengths[i]), f"prompt {i} differs from the simple loop"
+        assert got[str(i)] == greedy_alone(model, ids, lengths[i]), f"prompt {i} differs from the simple loop"
 
 
 def test_the_flex_block_mask_reads_the_buffers_a_graph_refreshes(model):
@@ -220,4 +210,4 @@ def test_on_a_gpu_graphs_and_flex_attention_give_the_simple_loops_tokens(tmp_pat
     got = run(engine, PROMPTS, 12)
     assert engine.runner.graphs.replays > 0
     for i, ids in enumerate(PROMPTS):
-        assert got[i] == alone(model, ids, 12), f"prompt {i} differs from the simple loop on the GPU"
+        assert got[i] == greedy_alone(model, ids, 12), f"prompt {i} differs from the simple loop on the GPU"

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from checkpoints import one_thread_for_tiny_shapes
+from checkpoints import greedy_alone, one_thread_for_tiny_shapes, random_ids
 from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch import load_model
@@ -24,8 +24,6 @@ from qwen3_scratch.engine.model_runner import ModelRunner
 from qwen3_scratch.engine.packed_view import PackedView
 from qwen3_scratch.engine.paged_cache import PagedKVCache
 from qwen3_scratch.engine.scheduler import Chunk, ScheduledBatch, Sequence
-from qwen3_scratch.generation.loops import generate_tokens
-from qwen3_scratch.sampling.logits import LogitsFilter
 from qwen3_scratch.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -38,16 +36,8 @@ def model(tmp_path_factory):
     return load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("flex") / "tiny"))
 
 
-def prompt(length, seed):
-    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-PROMPTS = [prompt(5, 2), prompt(37, 3), prompt(20, 4) + prompt(3, 5), prompt(1, 6), prompt(18, 7)]
+PROMPTS = [random_ids(5, 2), random_ids(37, 3), random_ids(20, 4) + random_ids(3, 5), random_ids(1, 6), random_ids(18, 7)]
 NEW = [9, 4, 12, 6, 3]  # ragged ends: decode steps of 5, 4, 3, 2 and 1 rows (buckets 8, 4, 4, 2, 1)
-
-
-def alone(model, ids, n):
-    return [int(t[0]) for t in generate_tokens(model, [ids], n, LogitsFilter(temperature=0.0))]
 
 
 def serve(model, **runner):
@@ -82,7 +72,7 @@ def test_compiled_flex_decode_buckets_give_the_simple_loops_tokens_one_compile_p
     compiles = len(compiled_entries()) - before
     assert runner.route == "flex" and runner.fallback is None, f"the compiled route fell back: {runner.fallback}"
     for i, (ids, n) in enumerate(zip(PROMPTS, NEW)):
-        assert got[i] == alone(model, ids, n), f"prompt {i}: compiled flex decode vs the simple loop"
+        assert got[i] == greedy_alone(model, ids, n), f"prompt {i}: compiled flex decode vs the simple loop"
     assert set(runner.graphs.graphs) == {1, 2, 4, 8}, "every decode step ran as one of its buckets' graphs"
     queries = {s[2] for s in shapes}
     assert queries == {16, 32, 64, 128}, f"a bucket of b rows is b query blocks of 16, not {sorted(queries)}"
@@ -92,9 +82,9 @@ def test_compiled_flex_decode_buckets_give_the_simple_loops_tokens_one_compile_p
 def decode_step(model, cache, lengths):
     """Decode chunks of len(lengths) rows, two over a shared prefix, their prompts prefilled by the reference."""
     blocks, reference = BlockManager(cache.num_blocks, BLOCK), ModelRunner(model, cache, route="reference")
-    shared, chunks = prompt(40, 11), []
+    shared, chunks = random_ids(40, 11), []
     for i, n in enumerate(lengths):
-        ids = shared[:n] if i < 2 else prompt(n, 30 + i)
+        ids = shared[:n] if i < 2 else random_ids(n, 30 + i)
         seq = Sequence(str(i), ids, n, SamplingParams(), 4, frozenset())
         seq.block_table, cached = blocks.allocate(ids)
         if cached < n - 1:
@@ -125,7 +115,7 @@ def test_a_flex_compile_that_raises_at_warm_up_falls_back_with_one_log_line(mode
     lines = [r.getMessage() for r in caplog.records if r.name == "qwen3_scratch.engine"]
     assert len(lines) == 1 and "using the gathered paged route" in lines[0], lines
     for i, (ids, n) in enumerate(zip(PROMPTS, NEW)):
-        assert got[i] == alone(model, ids, n), f"prompt {i} after the fallback"
+        assert got[i] == greedy_alone(model, ids, n), f"prompt {i} after the fallback"
 
 
 def test_a_bucket_that_fails_later_reruns_its_step_by_the_gathered_route(model, monkeypatch, caplog):
@@ -142,7 +132,7 @@ def test_a_bucket_that_fails_later_reruns_its_step_by_the_gathered_route(model, 
     assert runner.fallback == "RuntimeError: capture failed" and runner.route == "paged"
     assert len([r for r in caplog.records if r.name == "qwen3_scratch.engine"]) == 1
     for i, (ids, n) in enumerate(zip(PROMPTS, NEW)):
-        assert got[i] == alone(model, ids, n), f"prompt {i}: the step that failed was not rerun exactly"
+        assert got[i] == greedy_alone(model, ids, n), f"prompt {i}: the step that failed was not rerun exactly"
 
 
 def test_the_gpu_templates_tiles_divide_the_mask_blocks():
@@ -160,7 +150,7 @@ def test_the_gpu_templates_tiles_divide_the_mask_blocks():
 
 def test_a_prompt_step_by_the_flex_route_leaves_flex_to_the_decode_buckets(model):
     cache = PagedKVCache(model.config, 16, BLOCK)
-    seq = Sequence("0", prompt(20, 1), 20, SamplingParams(), 4, frozenset())
+    seq = Sequence("0", random_ids(20, 1), 20, SamplingParams(), 4, frozenset())
     seq.block_table, _ = BlockManager(16, BLOCK).allocate(seq.token_ids)
     packed = pack([Chunk(seq, 0, 20)], BLOCK, cache.scratch_block, model.device)
     assert PackedView(cache, packed, "flex").flex is None, "a prompt's length would be a new shape every step"

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import one_thread_for_tiny_shapes
+from checkpoints import greedy_alone, one_thread_for_tiny_shapes, random_ids
 from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch import load_model
@@ -25,9 +25,7 @@ from qwen3_scratch.engine.engine import LLMEngine
 from qwen3_scratch.engine.model_runner import ModelRunner
 from qwen3_scratch.engine.paged_cache import PagedKVCache
 from qwen3_scratch.engine.scheduler import Chunk, ScheduledBatch, Sequence
-from qwen3_scratch.generation.loops import generate_tokens
 from qwen3_scratch.model.qwen3 import one_query_attention
-from qwen3_scratch.sampling.logits import LogitsFilter
 from qwen3_scratch.sampling.params import SamplingParams
 
 
@@ -42,10 +40,6 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(checkpoint):
     return load_model(checkpoint)
-
-
-def prompt(length, seed):
-    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def scattered_tables(lengths, block_size, shared_blocks, num_blocks, seed):
@@ -113,8 +107,8 @@ def prefilled(model, in_place: bool, sequences, block_size: int, chunk: int):
 def decode_batch(model, in_place: bool):
     """One decode step for rows of ragged lengths, a shared prefix, prefilled in chunks of 5: logits (B, V)."""
     blocks, bs = BlockManager(num_blocks=24, block_size=4), 4
-    shared = prompt(9, seed=1)
-    prompts = [shared + prompt(3, seed=2), prompt(8, seed=3), shared + prompt(6, seed=4), prompt(2, seed=5)]
+    shared = random_ids(9, seed=1)
+    prompts = [shared + random_ids(3, seed=2), random_ids(8, seed=3), shared + random_ids(6, seed=4), random_ids(2, seed=5)]
     sequences = []
     for i, ids in enumerate(prompts):  # lengths 12, 8, 15, 2: partial and whole last blocks
         seq = Sequence(str(i), ids, len(ids), SamplingParams(), 4, frozenset())
@@ -147,8 +141,8 @@ def test_the_engine_attends_in_place_and_matches_the_simple_loop_in_bf16(checkpo
     original = paged_attention.attend_in_place
     monkeypatch.setattr(paged_attention, "attend_in_place", lambda *a: calls.append(a[0].shape[0]) or original(*a))
     engine = LLMEngine(model, None, [], num_blocks=64, block_size=8, max_num_batched_tokens=16)
-    shared = prompt(20, seed=6)
-    prompts = [shared + prompt(5, seed=7), prompt(11, seed=8), shared + prompt(13, seed=9), prompt(3, seed=10)]
+    shared = random_ids(20, seed=6)
+    prompts = [shared + random_ids(5, seed=7), random_ids(11, seed=8), shared + random_ids(13, seed=9), random_ids(3, seed=10)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, params)
@@ -158,7 +152,7 @@ def test_the_engine_attends_in_place_and_matches_the_simple_loop_in_bf16(checkpo
             outputs[out.request_id] += out.new_token_ids
     assert engine.cache.in_place and max(calls) == len(prompts), "decode batches of all rows ran in place"
     for i, ids in enumerate(prompts):
-        alone = [int(t[0]) for t in generate_tokens(model, [ids], 12, LogitsFilter(temperature=0.0))]
+        alone = greedy_alone(model, ids, 12)
         assert outputs[str(i)] == alone, f"request {i} differs from the simple loop"
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import one_thread_for_tiny_shapes
+from checkpoints import greedy_alone, one_thread_for_tiny_shapes, random_ids
 from make_tiny_checkpoint import make_tiny_checkpoint
 
 from qwen3_scratch import load_model
@@ -18,8 +18,6 @@ from qwen3_scratch.engine.model_runner import ModelRunner
 from qwen3_scratch.engine.packed_view import PackedView
 from qwen3_scratch.engine.paged_cache import PagedKVCache
 from qwen3_scratch.engine.scheduler import Chunk, ScheduledBatch, Sequence
-from qwen3_scratch.generation.loops import generate_tokens
-from qwen3_scratch.sampling.logits import LogitsFilter
 from qwen3_scratch.sampling.params import SamplingParams
 
 one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_tiny_shapes)
@@ -30,21 +28,13 @@ def model(tmp_path_factory):
     return load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("shapes") / "tiny"))
 
 
-def prompt(length, seed):
-    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def alone(model, ids, n):
-    return [int(t[0]) for t in generate_tokens(model, [ids], n, LogitsFilter(temperature=0.0))]
-
-
 def test_padding_a_mixed_step_at_odd_sizes_changes_no_logit_and_writes_only_the_scratch_block(model):
     """Three decodes, prompt chunks of 13 and 21 tokens (one after a cached prefix of 7): N = 37 runs as 64 (each
     chunk's attention keeps its exact queries and keys: packed_view.prompt_row says why). The reference route runs the same
     step unpadded (one gathered row under a block-diagonal mask)."""
     bs = 4
     blocks, cache = BlockManager(40, bs), PagedKVCache(model.config, 40, bs)
-    lines = [prompt(9, 1), prompt(17, 2), prompt(6, 3), prompt(13, 4), prompt(28, 5)]
+    lines = [random_ids(9, 1), random_ids(17, 2), random_ids(6, 3), random_ids(13, 4), random_ids(28, 5)]
     done = [8, 16, 5, 0, 7]  # tokens already in the cache
     seqs, reference = [], ModelRunner(model, cache, route="reference")
     for i, (ids, n) in enumerate(zip(lines, done)):
@@ -90,8 +80,8 @@ def run(engine, requests, steps_between=0):
     return [out[str(i)] for i in range(len(requests))]
 
 
-QUOTING = prompt(6, 9) * 4  # repeats itself: prompt lookup finds proposals
-ODD = [(prompt(5, 10), 7), (prompt(33, 11), 9), (QUOTING, 11), (prompt(1, 12), 5), (prompt(19, 13), 13)]
+QUOTING = random_ids(6, 9) * 4  # repeats itself: prompt lookup finds proposals
+ODD = [(random_ids(5, 10), 7), (random_ids(33, 11), 9), (QUOTING, 11), (random_ids(1, 12), 5), (random_ids(19, 13), 13)]
 
 
 @pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3}])
@@ -104,13 +94,13 @@ def test_padded_steps_at_odd_sizes_give_the_simple_loops_tokens(model, speculati
     if speculative:
         assert engine.speculator.num_proposed > 0, "the quoting prompt made prompt lookup propose"
     for i, (ids, n) in enumerate(ODD):
-        assert got[i] == alone(model, ids, n), f"request {i} (prompt of {len(ids)}) differs from the simple loop"
+        assert got[i] == greedy_alone(model, ids, n), f"request {i} (prompt of {len(ids)}) differs from the simple loop"
 
 
 def random_workload(seed, count):
     rng = random.Random(seed)
-    quote = prompt(5, seed)
-    return [((quote * 5)[: rng.randint(8, 25)] if rng.random() < 0.3 else prompt(rng.randint(1, 70), seed + i),
+    quote = random_ids(5, seed)
+    return [((quote * 5)[: rng.randint(8, 25)] if rng.random() < 0.3 else random_ids(rng.randint(1, 70), seed + i),
              rng.randint(1, 24)) for i in range(count)]  # fmt: skip
 
 
