@@ -113,6 +113,42 @@ def test_every_attention_route_gives_the_reference_routes_logits(model, route):
                                msg=f"{route} route vs one gathered row under a block-diagonal mask")  # fmt: skip
 
 
+def speculative_step(model, route, block_size=4):
+    """A step of two plain decodes, two speculating decodes (k = 1 and 3, one past a block boundary) and a prompt
+    chunk: every row's logits, (1+k, V) for the speculating ones, concatenated; and the step's PackedView."""
+    blocks, cache = BlockManager(32, block_size), PagedKVCache(model.config, 32, block_size)
+    runner, reference = ModelRunner(model, cache, route=route), ModelRunner(model, cache, route="reference")
+    lines = [random_ids(6, 30), random_ids(9, 31), random_ids(7, 32), random_ids(14, 33), random_ids(10, 34)]
+    proposals = [[], [], [61], [62, 63, 64], []]
+    seqs, chunks = [], []
+    for i, (ids, proposed) in enumerate(zip(lines, proposals)):
+        seq = Sequence(str(i), ids, len(ids), SamplingParams(), 4, frozenset())
+        seq.block_table, _ = blocks.allocate(ids)
+        done = 3 if i == 4 else len(ids) - 1
+        reference.run(ScheduledBatch(prefills=[Chunk(seq, 0, done)]))
+        blocks.ensure_capacity(seq.block_table, len(ids) + len(proposed))
+        seqs.append(seq)
+        chunks.append(Chunk(seq, done, len(ids), list(proposed)))
+    views = []
+    make_view = runner._view
+    runner._view = lambda packed: views.append(make_view(packed)) or views[-1]
+    logits = runner.run(ScheduledBatch(chunks[:4], chunks[4:]))
+    return torch.cat([logits[id(seq)].view(-1, logits[id(seq)].shape[-1]) for seq in seqs]), views
+
+
+def test_speculative_rows_attend_in_place_one_query_each_with_the_reference_routes_logits(model):
+    """Each query of a speculative row (its newest token, then each proposal) joins the decodes' in-place batch as
+    a one-query row over its own row's keys up to its position: logits as the reference route's, every
+    position's, and the step's attention is the decodes' one batch plus the prompt chunk."""
+    got, views = speculative_step(model, "paged")
+    want, _ = speculative_step(model, "reference")
+    assert got.shape[0] == 1 + 1 + 2 + 4 + 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg="speculative queries in place vs the reference")
+    (view,) = views
+    assert view.cache.in_place, "the CPU pool reads in place here"
+    assert view.num_queries == 2 + 2 + 4 and len(view.prompt_rows) == 1, "speculative rows ran apart from the decodes"
+
+
 def decode_rows(model, cache, lengths, block_size=4):
     blocks = BlockManager(cache.num_blocks, block_size)
     chunks = []

@@ -42,6 +42,7 @@ class PackedBatch:
     logits_at: torch.Tensor  # (M,) the token indices whose logits the step needs
     num_decodes: int  # leading rows of one token each
     num_real: int  # rows before the padding (decode_padded)
+    num_speculative: int = 0  # rows right after the decodes that carry proposals (a newest token and its k)
 
     @property
     def num_rows(self) -> int:
@@ -76,10 +77,12 @@ def pack(chunks: list[Chunk], block_size: int, scratch_block: int, device, wants
     tables = [t + [scratch_block] * (W - len(t)) for t in tables]
     lens = [c.end + len(c.proposed) - c.start for c in chunks]
     num_decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
+    num_speculative = sum(1 for c in chunks if c.proposed)
+    assert all(c.proposed for c in chunks[num_decodes : num_decodes + num_speculative]), "speculative rows follow the decodes"
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     return PackedBatch(as_tensor([ids]), as_tensor([positions]), as_tensor(slots), as_tensor(tables),
                        as_tensor([c.end + len(c.proposed) for c in chunks]), lens, [c.start for c in chunks], as_tensor(logits_at),
-                       num_decodes, len(chunks))  # fmt: skip
+                       num_decodes, len(chunks), num_speculative)  # fmt: skip
 
 
 def decode_padded(batch: PackedBatch, rows: int, scratch_block: int, block_size: int) -> PackedBatch:
@@ -116,5 +119,5 @@ def step_padded(batch: PackedBatch, tokens: int, logits: int, scratch_block: int
         torch.cat([batch.input_ids, zeros], 1), torch.cat([batch.positions, zeros], 1),
         torch.cat([batch.slots, scratch]), torch.cat([batch.tables, table]),
         torch.cat([batch.context_lens, torch.ones(1, dtype=torch.long, device=device)]),
-        batch.query_lens + [pad], batch.starts + [0], logits_at, batch.num_decodes, batch.num_real,
+        batch.query_lens + [pad], batch.starts + [0], logits_at, batch.num_decodes, batch.num_real, batch.num_speculative,
     )  # fmt: skip

@@ -5,7 +5,9 @@ q (1, H, N, D), k, v (1, K, N, D) to the cache's `attend` (model/qwen3.py). `Pac
 into their slots of the pool, then attends row by row, by one of three routes, all pure PyTorch:
 
   - "paged" (the CPU's): the leading decode rows together, as one (B, H, 1, D) batch read in place
-    (paged_attention.py) or gathered; each other row (a prompt chunk) alone: its blocks gathered and
+    (paged_attention.py) or gathered; where it reads in place, each query of a speculative row (a newest
+    token and its proposals) joins that batch as a one-query row of its own (`speculative_queries`); each
+    other row (a prompt chunk, or a speculative row where the decodes are gathered) alone: its blocks gathered and
     attended with SDPA under its causal mask, as a prefill of that chunk alone would, with its exact queries
     and keys (`prompt_row` says why they are not padded to buckets); the tokens of a step's pad row (batch.step_padded) attend nothing and get zeros;
   - "flex" (a GPU's): a decode step's rows in one FlexAttention call reading the pool in place (flex_paged.py),
@@ -53,17 +55,39 @@ class PackedView(PagedView):
         if route == "flex" and batch.num_decodes == batch.num_rows:
             self.flex = FlexPagedAttention(batch, bs, cache.num_blocks + 1, compile=compile_flex, shapes=shapes)
             return
-        # Made once per forward, used by every layer: the decode rows' table width and valid slots, and each
-        # prompt row's causal mask and table (prompt_row).
+        # Made once per forward, used by every layer: the decode queries' tables, table width and valid slots,
+        # and each prompt row's causal mask and table (prompt_row).
         B = batch.num_decodes
-        decode_ends = batch.ends[:B]
-        self.decode_width = batch.tables.shape[1] if B == batch.num_rows else -(-max(decode_ends, default=1) // bs)
+        self.decode_tables, self.query_ends = batch.tables[:B], None  # refresh reads the batch's context_lens
+        spec = range(B, B + batch.num_speculative) if cache.in_place else range(B, B)
+        if spec:  # see speculative_queries
+            self.decode_tables, self.query_ends = self.speculative_queries(spec)
+        B = len(self.decode_tables)  # one-query rows: the decodes and, in place, each speculative row's queries
+        ends = self.query_ends.tolist() if spec else batch.ends[:B]
+        self.num_queries = B
+        whole = not spec and B == batch.num_rows  # a decode step: its tables' width (a CUDA graph's, fixed)
+        self.decode_width = batch.tables.shape[1] if whole else -(-max(ends, default=1) // bs)
         self.refresh()
         self.prompt_rows, offset = [], B
-        for r in range(B, batch.num_real):
+        for r in range(spec.stop if spec else batch.num_decodes, batch.num_real):
             self.prompt_rows.append(self.prompt_row(r, offset))
             offset += batch.query_lens[r]
         self.num_pad_tokens = batch.num_tokens - offset  # step_padded's pad row, if any
+
+    def speculative_queries(self, rows: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode rows followed by one row per query of each speculative row in `rows` (its newest token and
+        each proposal): (Q, W) block tables and (Q,) the keys each attends (its position + 1).
+
+        A query at position p of a speculative row attends its row's keys 0..p, exactly what that token attends
+        when it is decoded alone; so each runs as a decode row of its own, all in the step's one in-place call,
+        with the same kernel and maths as a step without speculation. As rows of their own (SDPA over the
+        row's gathered blocks, one call per row and layer), 16 speculating rows made a step of the tiny model
+        ~3x a plain one (docs/performance.md, "Speculation in the engine on the AMD EPYC")."""
+        batch, B = self.batch, self.batch.num_decodes
+        index = list(range(B)) + [r for r in rows for _ in range(batch.query_lens[r])]
+        ends = batch.ends[:B] + [batch.starts[r] + t + 1 for r in rows for t in range(batch.query_lens[r])]
+        device = batch.tables.device
+        return batch.tables[torch.tensor(index, device=device)], torch.tensor(ends, device=device)
 
     def prompt_row(self, r: int, offset: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """(offset, T, causal mask (1, 1, T, S), block table (1, ceil(S/bs))) of prompt row r: its T queries over
@@ -86,15 +110,16 @@ class PackedView(PagedView):
             self.flex.refresh(self.batch)
             return
         B = self.batch.num_decodes
+        ends = self.batch.context_lens[:B] if self.query_ends is None else self.query_ends  # (B,), (Q,)
         slots = torch.arange(self.decode_width * self.cache.block_size, device=self.batch.input_ids.device)
-        self.decode_valid = slots[None, :] < self.batch.context_lens[:B, None]  # (B, W*bs)
+        self.decode_valid = slots[None, :] < ends[:, None]  # (B, W*bs)
 
     def attend(self, layer: int, q, k, v, mask=None) -> torch.Tensor:
         """Write k, v (1, K, N, D); return every token's attention over its row's keys, (1, H, N, D)."""
         self.write(layer, k, v)
         if self.flex is not None:
             return self.flex(q, self.cache.keys[layer], self.cache.values[layer])
-        B = self.batch.num_decodes
+        B = self.num_queries
         parts = [self._decodes(layer, q[:, :, :B])] if B else []
         for offset, n, mask, table in self.prompt_rows:
             parts.append(self._row(layer, q[:, :, offset : offset + n], mask, table))
@@ -106,7 +131,7 @@ class PackedView(PagedView):
         """q (1, H, B, D) of the B decode rows -> (1, H, B, D), in one batch over their tables."""
         q = q[0].transpose(0, 1)[:, :, None]  # (B, H, 1, D)
         B, W, bs = q.shape[0], self.decode_width, self.cache.block_size
-        tables = self.batch.tables[:B, :W]
+        tables = self.decode_tables[:, :W]
         if self.cache.in_place:
             valid = self.decode_valid.view(B, W, bs)
             y = paged_attention.attend_in_place(q, self.cache.key_blocks[layer], self.cache.value_blocks[layer],

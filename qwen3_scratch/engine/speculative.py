@@ -44,8 +44,9 @@ class Backoff:
     A sequence whose last round kept nothing proposes only on steps that are multiples of ALIGN (a new one
     proposes at once: its text may quote from the start): such rounds, mostly wasted where nothing is accepted, then share steps. What a wasted
     round costs is mostly its step's: a step with one speculative row leaves the one-token decode path (its
-    row attends as a prompt row, its logits are checked apart), and 16 sequences probing at 16 different
-    steps made 37 of 128 steps such steps on the no-accept benchmark (docs/performance.md)."""
+    tokens and logits rows padded to buckets, its logits checked apart; ~1.2x a plain step of the tiny model),
+    and 16 sequences probing at 16 different steps made 37 of 128 steps such steps on the no-accept
+    benchmark (docs/performance.md)."""
 
     PAUSE, MAX_GAP, ALIGN = 16, 256, 8
 
