@@ -25,32 +25,37 @@ import torch
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch
 from qwen3_scratch.generation.stats import measure_bandwidth
+from qwen3_scratch.kernels.int4 import Int4Linear
 from qwen3_scratch.kernels.matvec import MatvecLinear
 from qwen3_scratch.kernels.quantize import Int8Linear
 from qwen3_scratch.sampling.logits import LogitsFilter, sample
 
 
 def step_products(model) -> list:
-    """The one-row products of a step: the decode layout's MatvecLinears, or int8's Int8Linears."""
-    return [m for m in model.modules() if isinstance(m, (MatvecLinear, Int8Linear))]
+    """The one-row products of a step: the decode layout's MatvecLinears, int8's Int8Linears or int4's Int4Linears."""
+    return [m for m in model.modules() if isinstance(m, (MatvecLinear, Int8Linear, Int4Linear))]
 
 
 def products_alone(model) -> float:
     """Seconds for every one-row product of a step (each matrix's own compiled loop) alone."""
     linears = step_products(model)
-    rows = [torch.randn(1, m.in_features) for m in linears]
+    rows = [torch.randn(1, m.in_features, dtype=torch.bfloat16 if isinstance(m, Int4Linear) else None) for m in linears]
     start = time.perf_counter()
     for m, x in zip(linears, rows):
-        m.kernel(x, m.weight) if isinstance(m, MatvecLinear) else m.kernel(x, m.weight, m.scales)
+        if isinstance(m, Int4Linear):  # torch's int4 kernel, bf16 rows
+            m(x)
+        else:
+            m.kernel(x, m.weight) if isinstance(m, MatvecLinear) else m.kernel(x, m.weight, m.scales)
     return time.perf_counter() - start
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="/work/weights/qwen3-0.6b-shapes")
+    parser.add_argument("--checkpoint", default="weights/qwen3-0.6b-shapes")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=48)
-    parser.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights (bf16 activations)")
+    parser.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                        help="int8 or int4 (group 32) weights, bf16 activations")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.checkpoint, "cpu", torch.bfloat16, optimize="decode", quantize=args.quantize)
@@ -64,7 +69,7 @@ def main():
             steps.append(time.perf_counter() - start)
             products.append(products_alone(model))
     step, product = (statistics.median(t[8:]) * 1e3 for t in (steps, products))  # the first 8 warm up
-    weight_bytes = sum(t.nbytes for m in step_products(model) for t in (m.weight, getattr(m, "scales", m.weight[:0])))
+    weight_bytes = sum(t.nbytes for m in step_products(model) for t in (m.weight, getattr(m, "scales", getattr(m, "scales_and_zeros", m.weight[:0]))))
     limit = weight_bytes / measure_bandwidth("cpu") * 1e3
     print(json.dumps(dict(threads=args.threads, quantize=args.quantize, step_ms=round(step, 2), products_ms=round(product, 2),
                           rest_ms=round(step - product, 2), limit_ms=round(limit, 2), over_limit_ms=round(step - limit, 2))))
