@@ -209,30 +209,18 @@ class CPUDecoderLayer(DecoderLayer):
     def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
         if x.shape[:2] != (1, 1) or cache is None or x.device.type != "cpu" or torch.compiler.is_compiling():
             return super().forward(x, cos, sin, mask, cache, cache_slots)  # torch.compile traces the plain maths
-        halves = self.__dict__.get("_halves")
-        if halves is not None:  # two kernels a layer around its attention, built at the first step
-            attn, first, first_weights, second, second_weights = halves
-            q, k, v = first(x.contiguous(), *first_weights, cos.contiguous(), sin.contiguous())
-            y = pick_attention(attn, q, mask)(attn, q, k, v, mask, cache, cache_slots)  # (1, 1, H*D)
-            return second(x.contiguous(), y.contiguous(), *second_weights)
         attn, mlp = self.self_attn, self.mlp
         eps = self.input_layernorm.eps
         shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
         scheme = self.whole_halves()
-        if scheme is not None:
+        if scheme is not None:  # two kernels a layer around its attention
             first, second = HALVES[scheme]
             qkv, o, gate_up, down = self.products()
-            first_weights = [self.input_layernorm.weight, *self.weights(*qkv), attn.q_norm.weight, attn.k_norm.weight]
-            second_weights = [*self.weights(o), self.post_attention_layernorm.weight, *self.weights(*gate_up, down)]
-            q, k, v = self.kernel(first, x, *first_weights, cos, sin, **shape)
+            q, k, v = self.kernel(first, x, self.input_layernorm.weight, *self.weights(*qkv), attn.q_norm.weight,
+                                  attn.k_norm.weight, cos, sin, **shape)  # fmt: skip
             y = pick_attention(attn, q, mask)(attn, q, k, v, mask, cache, cache_slots)  # (1, 1, H*D)
-            out = self.kernel(second, x, y, *second_weights, eps=eps)
-            # every later step calls the same kernels on the same (contiguous) weights: look them up once, as
-            # the ~20 module attribute reads and list builds a layer made were ~1 ms of a 0.6B step
-            contiguous = lambda tensors: tuple(t.contiguous() for t in tensors)  # noqa: E731 (as self.kernel passes them)
-            self.__dict__["_halves"] = (attn, self._kernels[first], contiguous(first_weights), self._kernels[second],
-                                        contiguous(second_weights))  # fmt: skip
-            return out
+            return self.kernel(second, x, y, *self.weights(o), self.post_attention_layernorm.weight,
+                               *self.weights(*gate_up, down), eps=eps)  # fmt: skip
         # any other layer: its products as they are (int4, tensor-parallel, a mixture of experts), the ops between
         # them as four kernels taking and giving rows in the activations' dtype
         h = self.kernel(norm, x, self.input_layernorm.weight, eps=eps, wide=False)
