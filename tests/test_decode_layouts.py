@@ -19,7 +19,7 @@ from qwen3_scratch.kernels.matvec import MatvecLinear
 from qwen3_scratch.kernels.quantize import Int8Linear, dequantized_weight, quantize_rows
 from qwen3_scratch.model.config import Qwen3Config
 from qwen3_scratch.model.kv_cache import KVCache, attention_mask
-from qwen3_scratch.model.qwen3 import DecoderLayer
+from qwen3_scratch.model.qwen3 import DecoderLayer, one_query_attention
 from qwen3_scratch.sampling.logits import LogitsFilter
 
 GREEDY = LogitsFilter(temperature=0.0)
@@ -165,6 +165,25 @@ def test_flash_decode_attention_equals_fp32_attention_within_bf16_rounding(slots
     assert worst < 2**-6, f"flash attention differs from fp32 attention by {worst:.3g} (bf16 rounding is ~{2**-8})"
     cache.values[0, :, :, slots - 8 :] = 1e4  # the masked slots must not count
     assert torch.equal(cpu_decode.attend_flash(attn, q, k, v, mask, cache, slot).float(), flash), "masked slots were attended"
+
+
+@pytest.mark.parametrize("slots", [5, 64, 200])
+def test_fp32_decode_attention_equals_the_models_one_query_attention_on_the_widened_cache(slots):
+    """attend_in_fp32 (SDPA's fp32 kernel) against one_query_attention (the model's two products and softmax) over
+    the same widened keys and values, the slots past the token masked: equal within fp32 rounding before the
+    cast to bf16, so within one bf16 rounding after it."""
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=1)
+    attn = type("Attn", (), dict(layer_index=0, n_heads=4, head_dim=32))()
+    g = torch.Generator().manual_seed(slots)
+    cache = KVCache(config, 1, slots + 16, dtype=torch.bfloat16)
+    cache.keys.normal_(generator=g), cache.values.normal_(generator=g)
+    slot = torch.tensor([slots - 1 - min(8, slots - 1)])
+    mask = attention_mask(slot, cache.key_valid)[..., :slots]  # (1, 1, 1, slots), the slots past the token masked
+    q, k, v = (torch.randn(1, h, 1, 32, generator=g).bfloat16() for h in (4, 2, 2))
+    got = cpu_decode.attend_in_fp32(attn, q, k, v, mask, cache, slot).float().view(4, 32)
+    keys, values = cache.keys[0, :, :, :slots].float(), cache.values[0, :, :, :slots].float()  # layer 0, k and v written
+    want = one_query_attention(q.float(), keys, values, mask).view(4, 32)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7, msg="fp32 attention vs the model's one-query maths")
 
 
 def test_decode_layout_falls_back_to_the_packed_one_when_inductor_cannot_build(tied, monkeypatch):

@@ -21,8 +21,9 @@ kernels around its separate products instead.
 The maths is the model's: the kernels trace model.rms_norm, rope.apply_rope and F.silu in the same
 order and dtypes, with eager's roundings to bf16. One exception, for speed: in bf16 (or fp16), while the
 context is short (at most SHORT_CONTEXT slots attended), attention runs in fp32 over the cache widened
-for the step (`attend_in_fp32`): oneDNN's half-precision batched products for one query cost ~2x the
-fp32 ones at these sizes, more than widening (1, K, S, D) keys and values costs (docs/performance-history.md).
+for the step (`attend_in_fp32`, by SDPA's fp32 kernel): oneDNN's half-precision batched products for one
+query cost ~2x the fp32 ones at these sizes, more than widening (1, K, S, D) keys and values costs
+(docs/performance-history.md).
 On a CPU with AMX (Intel Sapphire Rapids and later) half-precision attention is instead one call of
 SDPA's flash kernel on the cache as it is (`attend_flash`: 3.9 against 6.5 ms a step on the Intel Xeon).
 Neither is bit-identical to the eager layers (their scores are not rounded to bf16): both are held
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen3_scratch.model.kv_cache import KVCache, attention_mask
-from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, one_query_attention, rms_norm
+from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
 from .matvec import MatvecLinear, kernel, matvec, matvec_int8
@@ -156,10 +157,17 @@ SHORT_CONTEXT = 256  # attended slots up to which half-precision attention runs 
 
 def attend_in_fp32(attn, q, k, v, mask, cache, cache_slots):
     """Attention.attend for one token of one row, in fp32 over keys and values widened for this step:
-    q (1, H, 1, D), k, v (1, K, 1, D) -> (1, 1, H*D) in q's dtype. The cache stays in its own dtype."""
+    q (1, H, 1, D), k, v (1, K, 1, D) -> (1, 1, H*D) in q's dtype. The cache stays in its own dtype.
+
+    In fp32, SDPA's CPU kernel (one call for the layer's heads) is faster than one_query_attention's two
+    batched products and softmax: on the AMD EPYC, one layer at 32 / 80 / 160 / 256 slots, 50 / 87 / 146 /
+    215 us against 75 / 140 / 187 / 268, and a 0.6B decode 21.06 -> 22.03 tok/s in bf16, 29.6 -> 30.8 with
+    int4 weights (medians of 5, alternating in one process; docs/performance.md). (In half precision the
+    same kernel is the slow one there: see attend_flash.)"""
     keys, values = cache.update(attn.layer_index, k, v, cache_slots)  # (1, K, max_len, D)
     S = mask.shape[-1]  # the slots attended: as Attention.attend
-    y = one_query_attention(q.float(), keys[:, :, :S].float(), values[:, :, :S].float(), mask)  # (1, H, 1, D)
+    y = F.scaled_dot_product_attention(q.float(), keys[:, :, :S].float(), values[:, :, :S].float(), attn_mask=mask,
+                                       enable_gqa=True)  # (1, H, 1, D)  # fmt: skip
     return y.to(q.dtype).view(1, 1, attn.n_heads * attn.head_dim)  # one query row: (1, H, 1, D) is (1, 1, H*D)
 
 
