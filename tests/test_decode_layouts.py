@@ -171,7 +171,7 @@ def test_flash_decode_attention_equals_fp32_attention_within_bf16_rounding(slots
 def test_fp32_decode_attention_equals_the_models_one_query_attention_on_the_widened_cache(slots):
     """attend_in_fp32 (SDPA's fp32 kernel) against one_query_attention (the model's two products and softmax) over
     the same widened keys and values, the slots past the token masked: equal within fp32 rounding before the
-    cast to bf16, so within one bf16 rounding after it."""
+    cast to bf16, so within bf16 rounding after it."""
     config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=1)
     attn = type("Attn", (), dict(layer_index=0, n_heads=4, head_dim=32))()
     g = torch.Generator().manual_seed(slots)

@@ -78,7 +78,8 @@ def pack(chunks: list[Chunk], block_size: int, scratch_block: int, device, wants
     lens = [c.end + len(c.proposed) - c.start for c in chunks]
     num_decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
     num_speculative = sum(1 for c in chunks if c.proposed)
-    assert all(c.proposed for c in chunks[num_decodes : num_decodes + num_speculative]), "speculative rows follow the decodes"
+    speculative = chunks[num_decodes : num_decodes + num_speculative]
+    assert all(c.proposed for c in speculative), "speculative rows come right after the decodes"
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     return PackedBatch(as_tensor([ids]), as_tensor([positions]), as_tensor(slots), as_tensor(tables),
                        as_tensor([c.end + len(c.proposed) for c in chunks]), lens, [c.start for c in chunks], as_tensor(logits_at),

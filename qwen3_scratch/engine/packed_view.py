@@ -58,36 +58,34 @@ class PackedView(PagedView):
         # Made once per forward, used by every layer: the decode queries' tables, table width and valid slots,
         # and each prompt row's causal mask and table (prompt_row).
         B = batch.num_decodes
+        spec = range(B, B + (batch.num_speculative if cache.in_place else 0))  # rows whose queries join the decodes
+        rows = list(range(B)) + [r for r in spec for _ in range(batch.query_lens[r])]  # one per query
+        ends = batch.ends[:B] + [batch.starts[r] + t + 1 for r in spec for t in range(batch.query_lens[r])]
         self.decode_tables, self.query_ends = batch.tables[:B], None  # refresh reads the batch's context_lens
-        spec = range(B, B + batch.num_speculative) if cache.in_place else range(B, B)
         if spec:  # see speculative_queries
-            self.decode_tables, self.query_ends = self.speculative_queries(spec)
-        B = len(self.decode_tables)  # one-query rows: the decodes and, in place, each speculative row's queries
-        ends = self.query_ends.tolist() if spec else batch.ends[:B]
-        self.num_queries = B
+            self.decode_tables, self.query_ends = self.speculative_queries(rows, ends)
+        self.num_queries = len(rows)
         whole = not spec and B == batch.num_rows  # a decode step: its tables' width (a CUDA graph's, fixed)
         self.decode_width = batch.tables.shape[1] if whole else -(-max(ends, default=1) // bs)
         self.refresh()
-        self.prompt_rows, offset = [], B
-        for r in range(spec.stop if spec else batch.num_decodes, batch.num_real):
+        self.prompt_rows, offset = [], self.num_queries
+        for r in range(spec.stop, batch.num_real):
             self.prompt_rows.append(self.prompt_row(r, offset))
             offset += batch.query_lens[r]
         self.num_pad_tokens = batch.num_tokens - offset  # step_padded's pad row, if any
 
-    def speculative_queries(self, rows: range) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode rows followed by one row per query of each speculative row in `rows` (its newest token and
-        each proposal): (Q, W) block tables and (Q,) the keys each attends (its position + 1).
+    def speculative_queries(self, rows: list[int], ends: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one-query rows of a step with speculative rows: the decodes, then one for each query of each
+        speculative row (its newest token and each proposal), given as the batch row each reads (`rows`) and the
+        keys it attends (`ends`, its position + 1) -> (Q, W) block tables and (Q,) ends, as tensors.
 
         A query at position p of a speculative row attends its row's keys 0..p, exactly what that token attends
         when it is decoded alone; so each runs as a decode row of its own, all in the step's one in-place call,
         with the same kernel and maths as a step without speculation. As rows of their own (SDPA over the
         row's gathered blocks, one call per row and layer), 16 speculating rows made a step of the tiny model
         ~3x a plain one (docs/performance.md, "Speculation in the engine on the AMD EPYC")."""
-        batch, B = self.batch, self.batch.num_decodes
-        index = list(range(B)) + [r for r in rows for _ in range(batch.query_lens[r])]
-        ends = batch.ends[:B] + [batch.starts[r] + t + 1 for r in rows for t in range(batch.query_lens[r])]
-        device = batch.tables.device
-        return batch.tables[torch.tensor(index, device=device)], torch.tensor(ends, device=device)
+        device = self.batch.tables.device
+        return self.batch.tables[torch.tensor(rows, device=device)], torch.tensor(ends, device=device)
 
     def prompt_row(self, r: int, offset: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """(offset, T, causal mask (1, 1, T, S), block table (1, ceil(S/bs))) of prompt row r: its T queries over

@@ -36,6 +36,11 @@ def step_products(model) -> list:
     return [m for m in model.modules() if isinstance(m, (MatvecLinear, Int8Linear, Int4Linear))]
 
 
+def product_tensors(m) -> list[torch.Tensor]:
+    """What one product reads from memory: its weight, and its scales (int8) or scales and zeros (int4)."""
+    return [m.weight] + [getattr(m, name) for name in ("scales", "scales_and_zeros") if hasattr(m, name)]
+
+
 def products_alone(model) -> float:
     """Seconds for every one-row product of a step (each matrix's own compiled loop) alone."""
     linears = step_products(model)
@@ -44,8 +49,10 @@ def products_alone(model) -> float:
     for m, x in zip(linears, rows):
         if isinstance(m, Int4Linear):  # torch's int4 kernel, bf16 rows
             m(x)
+        elif isinstance(m, MatvecLinear):
+            m.kernel(x, m.weight)
         else:
-            m.kernel(x, m.weight) if isinstance(m, MatvecLinear) else m.kernel(x, m.weight, m.scales)
+            m.kernel(x, m.weight, m.scales)
     return time.perf_counter() - start
 
 
@@ -69,7 +76,7 @@ def main():
             steps.append(time.perf_counter() - start)
             products.append(products_alone(model))
     step, product = (statistics.median(t[8:]) * 1e3 for t in (steps, products))  # the first 8 warm up
-    weight_bytes = sum(t.nbytes for m in step_products(model) for t in (m.weight, getattr(m, "scales", getattr(m, "scales_and_zeros", m.weight[:0]))))
+    weight_bytes = sum(t.nbytes for m in step_products(model) for t in product_tensors(m))
     limit = weight_bytes / measure_bandwidth("cpu") * 1e3
     print(json.dumps(dict(threads=args.threads, quantize=args.quantize, step_ms=round(step, 2), products_ms=round(product, 2),
                           rest_ms=round(step - product, 2), limit_ms=round(limit, 2), over_limit_ms=round(step - limit, 2))))
