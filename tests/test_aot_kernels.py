@@ -74,6 +74,24 @@ def test_packaged_kernels_give_the_tokens_of_inductor_kernels_and_of_the_eager_l
     assert "building" not in done.stderr, f"a start with every kernel stored built some again: {done.stderr}"
 
 
+def test_int4_halves_package_bit_for_bit_and_give_the_same_tokens(tmp_path, kernel_cache):
+    """int4 layers' two kernels call torch's int4 kernel from inside the graph, on packed bytes: their packages
+    (checked on random bytes as codes) match inductor's kernels, and a later start decodes the same tokens."""
+    path = make_tiny_checkpoint(tmp_path / "tiny-qwen3")
+    model = load_model(path, dtype="bfloat16", optimize="decode", quantize="int4")
+    built_now = torch.cat(list(generate_tokens(model, PROMPT, 8, GREEDY, ignore_eos=True))).tolist()
+    halves = [key for key in aot.PENDING.values() if key["function"].endswith("_int4")]
+    assert len(halves) == 2, f"an int4 layer did not run as its two kernels: {list(aot.PENDING)}"
+    assert any(dtype == "uint8" for key in halves for _, dtype in key["args"]), "the packed codes are not an argument"
+    assert all(aot_build.build(key) for key in halves), "an int4 half's package differs from inductor's kernel"
+    matvec._KERNELS.clear()
+    model = load_model(path, dtype="bfloat16", optimize="decode", quantize="int4")
+    loaded = torch.cat(list(generate_tokens(model, PROMPT, 8, GREEDY, ignore_eos=True))).tolist()
+    kernels = model.model.layers[0]._kernels.values()
+    assert sum(isinstance(k, aot.PackagedKernel) for k in kernels) == 2, "the int4 halves were not loaded from the cache"
+    assert loaded == built_now, f"int4 tokens from stored kernels {loaded} differ from freshly built ones {built_now}"
+
+
 def test_the_cache_key_follows_shapes_dtype_torch_version_and_the_machine(kernel_cache, monkeypatch):
     x, w = torch.empty(1, 64), torch.empty(32, 64, dtype=torch.bfloat16)
     folder = aot.entry_folder(aot.kernel_key(matvec.matvec, [x, w], {}))

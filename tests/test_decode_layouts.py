@@ -102,13 +102,13 @@ def test_compiled_one_row_product_equals_linear(shape, dtype):
     assert torch.equal(layer(rows), F.linear(rows, weight)), "several rows should take F.linear's path"
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dtype, quantize, monkeypatch):
     """cpu_decode's two kernels a layer (the products and the ops between them) keep eager's roundings and
     the products' sums: bf16 bit for bit (with the fp32 attention for short contexts off: it is the one part
-    that rounds differently); fp32 within the float rounding of fused multiply-adds. With float weights and
-    with int8 ones."""
+    that rounds differently); fp32 within the float rounding of fused multiply-adds. With float weights, int8
+    ones and int4 ones (torch's int4 kernel called inside the halves: the same kernel as eager's, so equal)."""
     monkeypatch.setattr(cpu_decode, "SHORT_CONTEXT", 0)
     monkeypatch.setattr(cpu_decode, "FLASH_ATTENTION", False)
     model = load_model(bf16_checkpoint if dtype == torch.bfloat16 else tied, dtype=dtype, optimize="decode",
@@ -116,7 +116,7 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     assert all(type(layer) is CPUDecoderLayer for layer in model.model.layers)
     tokens = ids(1, 40, seed=5)[0].tolist()
     fast = decode_logits(model, tokens, prompt_len=20).float()
-    halves = set(cpu_decode.HALVES["int8" if quantize else "float"])
+    halves = set(cpu_decode.HALVES[quantize or "float"])
     assert all(halves <= layer._kernels.keys() for layer in model.model.layers), "a layer is not its two kernels"
     for layer in model.model.layers:
         layer.__class__ = DecoderLayer

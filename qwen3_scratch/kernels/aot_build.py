@@ -60,11 +60,13 @@ def resolve(name: str):
 
 
 def example(shape: list[int], dtype: str) -> torch.Tensor:
-    """Random inputs for the bit-for-bit check: normal floats, small integers for integer arguments."""
+    """Random inputs for the bit-for-bit check: normal floats, small integers for integer arguments, any byte
+    for bytes (int4's packed codes)."""
     dtype = getattr(torch, dtype)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    return torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    low, high = (0, 256) if dtype == torch.uint8 else (-8, 8)
+    return torch.randint(low, high, shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
 
 
 class Kernel(torch.nn.Module):

@@ -14,9 +14,9 @@ left to itself it recomputes a norm's pointwise tail inside every weight row's l
 that read it (2x slower). So each product is matvec's own loop, and the layer's ~11 calls and ~18
 views become 2 calls. Bf16 decode at the 0.6B shapes, Intel Xeon with AMX, 2 threads: a step 125 ->
 94 ms, then 94 -> 84 with matvec.row_sums' unrollable runs (docs/performance.md, "Two kernels a layer").
-int8 layers run the same two halves over their int8 products. Any other layer (int4, tensor-parallel,
-a mixture of experts, the "batch" layout's fused float matrices) runs the same ops as four smaller
-kernels around its separate products instead.
+int8 layers run the same two halves over their int8 products, int4 layers over torch's int4 kernel
+(called from inside the graph). Any other layer (tensor-parallel, a mixture of experts, the "batch"
+layout's fused float matrices) runs the same ops as four smaller kernels around its separate products.
 
 The maths is the model's: the kernels trace model.rms_norm, rope.apply_rope and F.silu in the same
 order and dtypes, with eager's roundings to bf16. One exception, for speed: in bf16 (or fp16), while the
@@ -46,8 +46,11 @@ from qwen3_scratch.model.kv_cache import KVCache, attention_mask
 from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
+from .int4 import Int4Linear
 from .matvec import MatvecLinear, kernel, matvec, matvec_int8
 from .quantize import Int8Linear
+
+SCALES = ("scales", "scales_and_zeros")  # what an int8 (Int8Linear) or int4 (Int4Linear) product reads beside its weight
 
 
 def heads(q, k, v, q_weight, k_weight, cos, sin, *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
@@ -79,14 +82,21 @@ def widen(h, wide: bool):
 
 
 def product(h, weight, scales=None):
-    """One product inside a whole-half kernel: h (1, K) fp32 -> (N,), matvec's loop, or int8's (scales given)."""
+    """One product inside a whole-half kernel: h (1, K) -> (N,). matvec's loop (h fp32), int8's (h fp32, the
+    row scales given), or torch's int4 kernel (h in the activations' dtype, the packed nibbles and their
+    scales_and_zeros (K/g, N, 2) given: the group size g follows from the shapes)."""
+    if weight.dtype == torch.uint8:  # int4.Int4Linear's packed codes: an extern call inside the kernel
+        group_size = h.shape[-1] // scales.shape[0]
+        return torch._weight_int4pack_mm_for_cpu(h, weight, group_size, scales).view(-1)
     return matvec(h, weight) if scales is None else matvec_int8(h, weight, scales)
 
 
-def first_half(x, norm_weight, projections, q_norm_weight, k_norm_weight, cos, sin, *, n_heads, n_kv_heads, head_dim, eps):
+def first_half(x, norm_weight, projections, q_norm_weight, k_norm_weight, cos, sin, *, n_heads, n_kv_heads, head_dim, eps,
+               wide=True):  # fmt: skip
     """norm -> q/k/v products -> q/k norm + RoPE. projections: q's, k's and v's (weight,) or (weight, scales),
-    or one fused q/k/v product's."""
-    h = norm(x, norm_weight, eps=eps, wide=True).view(1, -1)  # (1, C) fp32
+    or one fused q/k/v product's. wide: the products take fp32 rows (compiled loops), else the activations'
+    dtype (torch's int4 kernel)."""
+    h = norm(x, norm_weight, eps=eps, wide=wide).view(1, -1)  # (1, C)
     if len(projections) == 1:  # q/k/v fused (fuse.py): one product, rows split
         q, k, v = product(h, *projections[0]).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim])
     else:
@@ -96,16 +106,16 @@ def first_half(x, norm_weight, projections, q_norm_weight, k_norm_weight, cos, s
                  head_dim=head_dim, eps=eps)  # fmt: skip
 
 
-def second_half(x, y, o, norm_weight, gate_up, down, *, eps: float):
+def second_half(x, y, o, norm_weight, gate_up, down, *, eps: float, wide=True):
     """o product -> residual + norm -> gate/up products -> SwiGLU -> down product + residual. gate_up: gate's
-    and up's (weight,) or (weight, scales), or one fused gate/up product's."""
-    x, h = residual_norm(x, product(y.view(1, -1).float(), *o).view(x.shape), norm_weight, eps=eps, wide=True)
-    h = h.view(1, -1)  # (1, C) fp32
+    and up's (weight,) or (weight, scales), or one fused gate/up product's. wide: as first_half's."""
+    x, h = residual_norm(x, product(widen(y.view(1, -1), wide), *o).view(x.shape), norm_weight, eps=eps, wide=wide)
+    h = h.view(1, -1)  # (1, C)
     if len(gate_up) == 1:  # gate/up fused (fuse.py): one product, rows split in half
         gate, up = product(h, *gate_up[0]).chunk(2)
     else:
         gate, up = (product(h, *weights) for weights in gate_up)
-    h = swiglu(gate.contiguous(), up.contiguous(), wide=True)  # (F,) fp32
+    h = swiglu(gate.contiguous(), up.contiguous(), wide=wide)  # (F,)
     return (x.view(-1) + product(h.view(1, -1), *down)).view(x.shape)  # rounded, then added: as eager
 
 
@@ -136,6 +146,22 @@ def attention_output_and_mlp_int8(x, y, o_weight, o_scales, norm_weight, gate_up
                        (down_weight, down_scales), eps=eps)  # fmt: skip
 
 
+def attention_inputs_int4(x, norm_weight, qkv_weight, qkv_scales_and_zeros, q_norm_weight, k_norm_weight, cos, sin, *,
+                          n_heads: int, n_kv_heads: int, head_dim: int, eps: float):  # fmt: skip
+    """attention_inputs over one fused int4 q/k/v product (int4.Int4Linear: packed codes, scales and zeros), its
+    row in the activations' dtype."""
+    return first_half(x, norm_weight, [(qkv_weight, qkv_scales_and_zeros)], q_norm_weight, k_norm_weight, cos, sin,
+                      n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, eps=eps, wide=False)  # fmt: skip
+
+
+def attention_output_and_mlp_int4(x, y, o_weight, o_scales_and_zeros, norm_weight, gate_up_weight,
+                                  gate_up_scales_and_zeros, down_weight, down_scales_and_zeros, *, eps: float):  # fmt: skip
+    """attention_output_and_mlp over int4 products, gate/up fused."""
+    return second_half(x, y, (o_weight, o_scales_and_zeros), norm_weight,
+                       [(gate_up_weight, gate_up_scales_and_zeros)], (down_weight, down_scales_and_zeros), eps=eps,
+                       wide=False)  # fmt: skip
+
+
 # The two halves compiled as single graphs: inductor must store each product's input row once (the norms'
 # and SwiGLU's outputs, read by 1-3 products) rather than inline its pointwise tail into every weight row's
 # loop, which it does by default for a buffer read this few times and which made such a graph ~2x slower
@@ -148,8 +174,12 @@ STORE_EVERY_BUFFER = {"realize_reads_threshold": 0, "realize_opcount_threshold":
                       "realize_cpu_opcount_threshold": 0, "realize_cpu_acc_reads_threshold": 0}  # fmt: skip
 attention_inputs.inductor_config = attention_output_and_mlp.inductor_config = STORE_PRODUCT_INPUTS
 attention_inputs_int8.inductor_config = attention_output_and_mlp_int8.inductor_config = STORE_EVERY_BUFFER
+# int4's products are torch's own kernel, called from inside the graph: their inputs are stored whatever the
+# config (an extern call reads a buffer), so the defaults; its halves buy the calls between the products
+# (4 kernels, ~20 ops a layer), ~65 us a layer on the AMD EPYC (docs/performance.md)
 HALVES = {"float": (attention_inputs, attention_output_and_mlp),
-          "int8": (attention_inputs_int8, attention_output_and_mlp_int8)}  # fmt: skip
+          "int8": (attention_inputs_int8, attention_output_and_mlp_int8),
+          "int4": (attention_inputs_int4, attention_output_and_mlp_int4)}  # fmt: skip
 
 
 SHORT_CONTEXT = 256  # attended slots up to which half-precision attention runs in fp32 (0: never)
@@ -262,6 +292,8 @@ class CPUDecoderLayer(DecoderLayer):
                 int8 = [isinstance(m, Int8Linear) and m.route == "cpu" and m.kernel is not None for m in products]
                 if fused == (True, True) and all(int8) and all(m.bias is None for m in products):
                     scheme = "int8"
+                if fused == (True, True) and all(isinstance(m, Int4Linear) and m.bias is None for m in products):
+                    scheme = "int4"
             self.__dict__["_whole_halves"] = scheme
         return self.__dict__["_whole_halves"]
 
@@ -274,8 +306,9 @@ class CPUDecoderLayer(DecoderLayer):
 
     @staticmethod
     def weights(*products) -> list[torch.Tensor]:
-        """The tensors a whole-half kernel reads for these products: each one's weight, and its scales if int8."""
-        return [t for m in products for t in ((m.weight, m.scales) if isinstance(m, Int8Linear) else (m.weight,))]
+        """The tensors a whole-half kernel reads for these products: each one's weight, and its scales if int8,
+        its scales and zeros if int4."""
+        return [t for m in products for t in (m.weight, *(getattr(m, name) for name in SCALES if hasattr(m, name)))]
 
     def kernel(self, fn, *args, **constants):
         """fn's compiled kernel, looked up once per layer and function (every decode step has the same
