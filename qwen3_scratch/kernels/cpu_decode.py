@@ -248,19 +248,16 @@ class CPUDecoderLayer(DecoderLayer):
         if x.shape[:2] != (1, 1) or cache is None or x.device.type != "cpu" or torch.compiler.is_compiling():
             return super().forward(x, cos, sin, mask, cache, cache_slots)  # torch.compile traces the plain maths
         attn, mlp = self.self_attn, self.mlp
+        halves = self.halves()
+        if halves is not None:  # two kernels a layer around its attention
+            first, first_weights, second, second_weights, shape = halves
+            q, k, v = self.kernel(first, x, *first_weights, cos, sin, **shape)
+            y = pick_attention(attn, q, mask)(attn, q, k, v, mask, cache, cache_slots)  # (1, 1, H*D)
+            return self.kernel(second, x, y, *second_weights, eps=shape["eps"])
+        # any other layer: its products as they are (tensor-parallel, a mixture of experts), the ops between them
+        # as four kernels taking and giving rows in the activations' dtype
         eps = self.input_layernorm.eps
         shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
-        scheme = self.whole_halves()
-        if scheme is not None:  # two kernels a layer around its attention
-            first, second = HALVES[scheme]
-            qkv, o, gate_up, down = self.products()
-            q, k, v = self.kernel(first, x, self.input_layernorm.weight, *self.weights(*qkv), attn.q_norm.weight,
-                                  attn.k_norm.weight, cos, sin, **shape)  # fmt: skip
-            y = pick_attention(attn, q, mask)(attn, q, k, v, mask, cache, cache_slots)  # (1, 1, H*D)
-            return self.kernel(second, x, y, *self.weights(o), self.post_attention_layernorm.weight,
-                               *self.weights(*gate_up, down), eps=eps)  # fmt: skip
-        # any other layer: its products as they are (int4, tensor-parallel, a mixture of experts), the ops between
-        # them as four kernels taking and giving rows in the activations' dtype
         h = self.kernel(norm, x, self.input_layernorm.weight, eps=eps, wide=False)
         q, k, v = attn.project_qkv(h)  # (1, 1, H*D), (1, 1, K*D), (1, 1, K*D)
         q, k, v = self.kernel(heads, q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos, sin, **shape)
@@ -276,11 +273,30 @@ class CPUDecoderLayer(DecoderLayer):
         h = self.kernel(swiglu, gate.contiguous(), up.contiguous(), wide=False)
         return x + mlp.down_proj(h)
 
+    def halves(self) -> tuple | None:
+        """(first kernel's function, the tensors it reads besides the step's x, cos and sin, second kernel's
+        function, the tensors it reads besides x and y, the shape constants), or None where the layer does not
+        run as two kernels (whole_halves). Gathered once per layer: ~25 us of attribute lookups a layer and step
+        in Python otherwise (docs/performance.md)."""
+        if "_halves" not in self.__dict__:
+            scheme, halves = self.whole_halves(), None
+            if scheme is not None:
+                attn = self.self_attn
+                first, second = HALVES[scheme]
+                qkv, o, gate_up, down = self.products()
+                first_weights = (self.input_layernorm.weight, *self.weights(*qkv), attn.q_norm.weight, attn.k_norm.weight)
+                second_weights = (*self.weights(o), self.post_attention_layernorm.weight, *self.weights(*gate_up, down))
+                shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim,
+                             eps=self.input_layernorm.eps)  # fmt: skip
+                halves = (first, first_weights, second, second_weights, shape)
+            self.__dict__["_halves"] = halves
+        return self.__dict__["_halves"]
+
     def whole_halves(self) -> str | None:
-        """"float" or "int8" when the layer runs as two whole-half kernels, else None: a dense layer whose
+        """"float", "int8" or "int4" when the layer runs as two whole-half kernels, else None: a dense layer whose
         products are its own (not through a tensor-parallel wrapper), without bias, either the "decode"
-        layout's MatvecLinears over the checkpoint's own matrices or int8 ones on their compiled CPU loop
-        (q/k/v and gate/up fused, as quantize_model lays them out). Looked up once per layer."""
+        layout's MatvecLinears over the checkpoint's own matrices, or int8 ones on their compiled CPU loop, or
+        int4 ones (q/k/v and gate/up fused, as quantize_model lays them out). Looked up once per layer."""
         if "_whole_halves" not in self.__dict__:
             attn, mlp, scheme = self.self_attn, self.mlp, None
             if isinstance(mlp, MLP):
@@ -317,7 +333,7 @@ class CPUDecoderLayer(DecoderLayer):
         compiled = kernels.get(fn)
         if compiled is None:
             compiled = kernels[fn] = kernel(fn, *args, **constants)
-        return compiled(*(a.contiguous() for a in args))
+        return compiled(*[a.contiguous() for a in args])
 
 
 @torch.no_grad()
