@@ -276,8 +276,8 @@ class CPUDecoderLayer(DecoderLayer):
     def halves(self) -> tuple | None:
         """(first kernel's function, the tensors it reads besides the step's x, cos and sin, second kernel's
         function, the tensors it reads besides x and y, the shape constants), or None where the layer does not
-        run as two kernels (whole_halves). Gathered once per layer: ~25 us of attribute lookups a layer and step
-        in Python otherwise (docs/performance.md)."""
+        run as two kernels (whole_halves). Gathered once per layer: otherwise ~28 us of lists and attribute
+        lookups a layer and step (docs/performance.md)."""
         if "_halves" not in self.__dict__:
             scheme, halves = self.whole_halves(), None
             if scheme is not None:
