@@ -247,7 +247,7 @@ class CPUDecoderLayer(DecoderLayer):
     def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
         if x.shape[:2] != (1, 1) or cache is None or x.device.type != "cpu" or torch.compiler.is_compiling():
             return super().forward(x, cos, sin, mask, cache, cache_slots)  # torch.compile traces the plain maths
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         halves = self.halves()
         if halves is not None:  # two kernels a layer around its attention
             first, first_weights, second, second_weights, shape = halves
@@ -256,7 +256,7 @@ class CPUDecoderLayer(DecoderLayer):
             return self.kernel(second, x, y, *second_weights, eps=shape["eps"])
         # any other layer: its products as they are (tensor-parallel, a mixture of experts), the ops between them
         # as four kernels taking and giving rows in the activations' dtype
-        eps = self.input_layernorm.eps
+        mlp, eps = self.mlp, self.input_layernorm.eps
         shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
         h = self.kernel(norm, x, self.input_layernorm.weight, eps=eps, wide=False)
         q, k, v = attn.project_qkv(h)  # (1, 1, H*D), (1, 1, K*D), (1, 1, K*D)

@@ -25,6 +25,7 @@ import torch
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch
 from qwen3_scratch.generation.stats import measure_bandwidth
+from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer
 from qwen3_scratch.kernels.int4 import Int4Linear
 from qwen3_scratch.kernels.matvec import MatvecLinear
 from qwen3_scratch.kernels.quantize import Int8Linear
@@ -37,8 +38,9 @@ def step_products(model) -> list:
 
 
 def product_tensors(m) -> list[torch.Tensor]:
-    """What one product reads from memory: its weight, and its scales (int8) or scales and zeros (int4)."""
-    return [m.weight] + [getattr(m, name) for name in ("scales", "scales_and_zeros") if hasattr(m, name)]
+    """What one product reads from memory: its weight, and its scales (int8) or scales and zeros (int4), as the
+    decode layer hands them to its kernels."""
+    return CPUDecoderLayer.weights(m)
 
 
 def products_alone(model) -> float:
