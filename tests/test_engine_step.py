@@ -212,6 +212,22 @@ def test_replayed_graphs_give_the_simple_loops_tokens_and_capture_once_per_bucke
         assert got[str(i)] == greedy_alone(model, ids, lengths[i]), f"prompt {i} differs from the simple loop"
 
 
+def test_a_runner_with_graphs_builds_the_rope_tables_for_every_position_first(model):
+    """A graph reads the RoPE tables where they were at its capture: they must never be rebuilt longer
+    under it (a request longer than any before would do that, and the graphs replay over the freed table)."""
+    model.build_rope_tables(model.device, None, 64)  # as a fresh load has them: short
+    cache = PagedKVCache(model.config, 64, 8)
+    runner = ModelRunner(model, cache, graphs=True)
+    longest = min(model.config.max_position_embeddings, cache.num_blocks * cache.block_size)
+    assert runner.max_width * cache.block_size >= longest
+    assert model.rope_cos.shape[0] >= longest, "the tables cover any sequence before the first capture"
+    table = model.rope_cos
+    engine = LLMEngine(model, None, [], num_blocks=64, block_size=8)
+    engine.runner = runner
+    engine.add_request("long", PROMPTS[0], SamplingParams(temperature=0, max_tokens=longest - len(PROMPTS[0])))
+    assert model.rope_cos is table, "adding the longest request left the tables where the graphs read them"
+
+
 def test_the_flex_block_mask_reads_the_buffers_a_graph_refreshes(model):
     cache = PagedKVCache(model.config, 32, 4)
     packed = pack(decode_rows(model, cache, [7, 12]), 4, cache.scratch_block, model.device)

@@ -22,7 +22,9 @@ the bucket choice, the copy-in, the padding and the slicing out are what the CPU
 Shapes: b bucket rows, R real rows (<= b), Wmax blocks per table, V vocab.
 """
 
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,13 +33,34 @@ from .buckets import bucket_for, buckets_up_to  # noqa: F401 (the bucketing poli
 
 
 class Recorded:
-    """A stand-in for torch.cuda.CUDAGraph where there is no GPU: replay() calls the captured callable again."""
+    """A stand-in for torch.cuda.CUDAGraph where there is no GPU: replay() calls the captured step again.
 
-    def __init__(self, call: Callable[[], None]):
-        self.call = call
+    Like a CUDA graph, it keeps nothing alive: it holds its step weakly, so whoever captured must keep the
+    step, and through it the view and buffers it reads (`Captured`). A CUDA graph replays raw addresses;
+    a view dropped after its capture lets the allocator hand its tensors to others, and the replay reads
+    whatever is there (the first H200 run's index out of bounds, after a 64-row bucket's capture reused
+    the 32-row bucket's freed mask buffers). Here such a capture fails its first replay instead."""
+
+    def __init__(self, step: Callable[[], torch.Tensor], out: torch.Tensor):
+        self.step, self.out = weakref.ref(step), out
 
     def replay(self) -> None:
-        self.call()
+        step = self.step()
+        if step is None:
+            raise RuntimeError("a recorded step was replayed after its captor dropped it")
+        self.out.copy_(step())
+
+
+@dataclass
+class Captured:
+    """One bucket's graph and everything its replays read: the static batch, the cache view made from it
+    (with its mask buffers) and the step that refreshes the view and runs the forward."""
+
+    graph: "torch.cuda.CUDAGraph | Recorded"
+    static: PackedBatch
+    view: object
+    step: Callable[[], torch.Tensor]
+    logits: torch.Tensor  # the graph's output buffer (b, V)
 
 
 class DecodeGraphs:
@@ -48,7 +71,7 @@ class DecodeGraphs:
         """make_view(batch): the cache view the forward reads; template(rows): a padded batch of `rows` pad rows."""
         self.forward, self.make_view, self.template = forward, make_view, template
         self.buckets, self.use_cuda = buckets, use_cuda
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, static batch, output logits)
+        self.graphs: dict[int, Captured] = {}  # bucket -> its graph and what the graph reads
         self.pads: dict[int, PackedBatch] = {}  # bucket -> its batch of pad rows only
         self.pool = None  # the CUDA graphs share one memory pool: they never run at once
         self.replays = 0  # (tests, metrics)
@@ -60,11 +83,11 @@ class DecodeGraphs:
             return None
         if bucket not in self.graphs:
             self.graphs[bucket] = self.capture(bucket)
-        graph, static, logits = self.graphs[bucket]
-        self.copy_in(static, batch)
-        graph.replay()
+        captured = self.graphs[bucket]
+        self.copy_in(captured.static, batch)
+        captured.graph.replay()
         self.replays += 1
-        return logits[: batch.num_rows].clone()  # the next replay overwrites the graph's output
+        return captured.logits[: batch.num_rows].clone()  # the next replay overwrites the graph's output
 
     def copy_in(self, static: PackedBatch, batch: PackedBatch) -> None:
         """Real rows into the static buffers; the rows after them back to padding (the pad template's values)."""
@@ -78,7 +101,7 @@ class DecodeGraphs:
         static.context_lens[:R] = batch.context_lens
         static.tables[:R, :W] = batch.tables
 
-    def capture(self, bucket: int) -> tuple:
+    def capture(self, bucket: int) -> Captured:
         static, self.pads[bucket] = self.template(bucket), self.template(bucket)
         view = self.make_view(static)
 
@@ -88,16 +111,11 @@ class DecodeGraphs:
 
         if not self.use_cuda:
             out = step()
-            holder = [out]
-
-            def again():
-                holder[0].copy_(step())
-
-            return Recorded(again), static, out
+            return Captured(Recorded(step, out), static, view, step, out)
         step()  # warm up outside the graph: compiles, autotunes, allocates lazily made state
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = step()
         self.pool = graph.pool()
-        return graph, static, out
+        return Captured(graph, static, view, step, out)

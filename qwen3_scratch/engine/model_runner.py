@@ -62,6 +62,10 @@ class ModelRunner:
         use_graphs = (cuda and self.route == "flex" if graphs is None else graphs) and self.route != "reference"
         self.graphs = None
         if use_graphs:
+            # a graph reads the RoPE tables at the address of its capture: built now for every position a
+            # sequence can reach, they are never rebuilt under a graph (a request longer than any before
+            # would otherwise grow them, and the graphs replay over the freed table)
+            model.reserve_positions(self.max_width * cache.block_size)
             self.graphs = DecodeGraphs(self._forward, self._view, self._pad_rows, self.buckets, cuda)
         self.prompt_logits: dict[int, torch.Tensor] = {}  # the last run's, see run()
         self.num_forwards = 0
