@@ -46,7 +46,8 @@ def failing(tmp_path_factory):
 def test_the_unmeasured_come_first_and_every_step_runs_under_a_limit(smoke):
     report, _ = smoke
     assert list(report["steps"]) == ["engine flex", "engine paged", "int4 tiny", "decode tiny", "int8 tiny",
-                                     "transformers tiny", "load benchmark", "cuda tests"]  # fmt: skip
+                                     "profile bf16 tiny", "profile quantized tiny", "transformers tiny",
+                                     "load benchmark", "cuda tests"]  # fmt: skip
     for name, step in report["steps"].items():
         assert "skipped" in step or 0 < step["limit_s"] <= 60, f"{name} ran without its smoke limit"
         assert "skipped" in step or step["returncode"] == 0, f"{name} failed: {step.get('output_tail')}"
@@ -70,6 +71,21 @@ def test_smoke_measures_int4_first_then_int8_by_both_routes(smoke):
     for variant in ("int4/graphs", "int8/graphs", "int8pack/graphs"):
         result = {**int4, **int8}[variant]
         assert result["decode_tok_s"] > 0 and result["bytes_per_step"] > 0, result
+
+
+def test_smoke_profiles_a_decode_step_kernel_by_kernel(smoke):
+    """The profile steps say what a decode step launches (on a CPU, its aten ops) and how long each takes."""
+    report, markdown = smoke
+    profiles = {**report["steps"]["profile bf16 tiny"]["results"], **report["steps"]["profile quantized tiny"]["results"]}
+    assert set(profiles) == {"profile bfloat16/graphs", "profile bfloat16/eager", "profile int8/graphs",
+                             "profile int4/graphs"}, profiles  # fmt: skip
+    for key, r in profiles.items():
+        assert r["kernels_per_step"] > 20 and r["kernel_us_per_step"] > 0 and r["wall_us_per_step"] > 0, (key, r)
+        assert 0 < len(r["top"]) <= 14 and r["top"][0]["us_per_step"] >= r["top"][-1]["us_per_step"], (key, r)
+    names = {t["kernel"] for t in profiles["profile int4/graphs"]["top"]} | {
+        t["kernel"] for r in profiles.values() for t in r["top"]}
+    assert any("mm" in n or "linear" in n for n in names), f"a step's products are among its costliest ops: {names}"
+    assert "| tiny | profile bfloat16/graphs | kernels_per_step=" in markdown
 
 
 def test_smoke_times_transformers_eager_and_with_a_static_cache(smoke):

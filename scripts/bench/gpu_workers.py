@@ -8,6 +8,8 @@ limit). Each worker writes its JSON record after every measurement, so a step cu
                   would compile again)
     workload      the engine on nano-vLLM's benchmark workload by one attention route, and the fraction of a
                   window of its steps the GPU was running kernels (scripts/bench/nano_vllm_workload.py's run())
+    profile       one decode step's kernels under torch.profiler: how many, their GPU time against the step's
+                  wall time, the costliest (what to fuse next)
 
 Variants of `decode` are "<weights>/<mode>": weights bfloat16, int8 (the device's default int8 route:
 gpt-fast's fused cast on a GPU), int8pack (torch._weight_int8pack_mm) or int4 (tinygemm on a GPU).
@@ -44,7 +46,7 @@ def record_result(record: dict, out: Path, key: str, measure) -> None:
     except Exception as e:  # noqa: BLE001 - recorded, and the next measurement runs
         result = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-800:]}
     record["results"][key] = result
-    shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k not in ("tokens", "trace")}
+    shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k not in ("tokens", "trace", "top")}
     progress(f"{key}: {shown} ({time.perf_counter() - start:.1f} s)")
     out.write_text(json.dumps(record))
 
@@ -115,6 +117,68 @@ def decode_worker(args, out: Path) -> None:
             return {**r, "bytes_per_step": step_bytes}
 
         record_result(record, out, variant, measure)
+
+
+def kernel_table(model, device: str, mode: str, new_tokens: int) -> tuple[dict, float]:
+    """({kernel name: [launches, microseconds]}, wall seconds) over a greedy run of new_tokens from the prompt,
+    under torch.profiler (the GPU's kernels; on a CPU, the aten ops: the smoke run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qwen3_scratch.generation.loops import generate_tokens
+    from qwen3_scratch.sampling.logits import LogitsFilter
+
+    how = {"graphs": dict(cuda_graphs=True), "eager": dict(cuda_graphs=False)}[mode]
+    ids, cuda = prompt_ids(model.config.vocab_size), device == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        list(generate_tokens(model, [ids], new_tokens, LogitsFilter(temperature=0.0), ignore_eos=True, **how))
+        synchronize(device)
+        wall = time.perf_counter() - start
+    table = {}
+    for e in prof.events():
+        if (e.device_type.name == "CUDA") == cuda:
+            entry = table.setdefault(e.name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.end - e.time_range.start
+    return table, wall
+
+
+def profile_step(model, device: str, mode: str, top: int = 14) -> dict:
+    """One decode step's kernels: how many launch, their summed GPU time against the step's wall time (the
+    rest is the GPU waiting on the host, or gaps between kernels), and the costliest kernels. A step is the
+    difference of a 10-token and a 2-token run, over 8 (the prefill and the first token cancel out)."""
+    kernel_table(model, device, mode, 2)  # the capture, cuBLAS's handles, lazy state
+    (short, wall_short), (long, wall_long) = kernel_table(model, device, mode, 2), kernel_table(model, device, mode, 10)
+    step = {name: [(long[name][0] - short.get(name, [0, 0])[0]) / 8, (long[name][1] - short.get(name, [0, 0])[1]) / 8]
+            for name in long}  # fmt: skip
+    busy_us = sum(t for _, t in step.values())
+    wall_us = (wall_long - wall_short) / 8 * 1e6
+    costliest = sorted(step.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels_per_step": round(sum(n for n, _ in step.values()), 1), "kernel_us_per_step": round(busy_us, 1),
+            "wall_us_per_step": round(wall_us, 1), "busy": round(busy_us / wall_us, 3) if wall_us > 0 else None,
+            "top": [{"kernel": k, "per_step": round(n, 2), "us_per_step": round(t, 1)} for k, (n, t) in costliest]}  # fmt: skip
+
+
+def profile_worker(args, out: Path) -> None:
+    """Where a decode step's time goes (profile_step), for each "<weights>/<mode>" of --variants: the figures
+    that say what to fuse next (a graph replays the eager step's kernels, so their count and times are its)."""
+    from gpu_checkpoints import load_or_draw
+
+    from qwen3_scratch.generation.cuda_graph import forget_graphs
+    from qwen3_scratch.kernels.quantize import use_int8_route
+
+    record, model, loaded = {"size": args.size, "results": {}}, None, "nothing yet"
+    for variant in args.variants.split(","):
+        weights, mode = variant.split("/")
+        quantize, route = SCHEMES[weights]
+        if loaded != quantize:
+            model = None
+            torch.cuda.empty_cache() if args.device == "cuda" else None
+            model, _ = load_or_draw(args.size, args.device, args.weights, quantize)
+            loaded = quantize
+        use_int8_route(model, route or ("fused-cast" if args.device == "cuda" else "cpu"))
+        forget_graphs(model)
+        record_result(record, out, f"profile {variant}", lambda m=mode, model=model: profile_step(model, args.device, m))
 
 
 # ---- transformers ------------------------------------------------------------------------------------------
@@ -189,7 +253,8 @@ def workload_worker(args, out: Path) -> None:
     record_result(record, out, f"engine/workload {route}", lambda: workload.run(model, **kwargs))
 
 
-WORKERS = {"decode": decode_worker, "transformers": transformers_worker, "workload": workload_worker}
+WORKERS = {"decode": decode_worker, "transformers": transformers_worker, "workload": workload_worker,
+           "profile": profile_worker}
 
 
 def main(argv=None) -> int:
