@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-for path in (ROOT, ROOT / "scripts"):
+for path in (ROOT, ROOT / "scripts" / "bench", ROOT / "scripts" / "checkpoints"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
@@ -73,9 +73,9 @@ def random_prompts(n, length, vocab, seed):
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def decode_overhead(engine, clock, rows, steps, prompt_len, vocab):
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+def decode_overhead(engine, clock, rows, steps, prompt_len, vocab, temperature=0.0, seeded=False):
     for i, ids in enumerate(random_prompts(rows, prompt_len, vocab, seed=1)):
+        params = SamplingParams(temperature=temperature, max_tokens=steps + 8, ignore_eos=True, seed=i if seeded else None)
         engine.add_request(f"d{i}", ids, params)
     while any(seq.num_computed < seq.num_prompt_tokens for seq in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -113,7 +113,10 @@ def prefill_forwards(engine, clock, prompts, prompt_len, vocab):
     return {"prompts": prompts, "first_step_forwards": forwards, "first_step_ms": wall * 1e3}
 
 
-def run(model_path_or_model, device="cpu", rows=64, steps=30, prompts=8, prompt_len=24, dtype=None) -> dict:
+def run(model_path_or_model, device="cpu", rows=64, steps=30, prompts=8, prompt_len=24, dtype=None, temperature=0.0,
+        seeded=False) -> dict:  # fmt: skip
+    """temperature, seeded: the decode rows' sampling (greedy by default; nano-vLLM's workload draws at 0.6,
+    and nano_vllm_workload.py seeds every request)."""
     if isinstance(model_path_or_model, (str, Path)):
         model = load_model(model_path_or_model, device=device, dtype=dtype or torch.float32, optimize="batch")
     else:
@@ -123,7 +126,7 @@ def run(model_path_or_model, device="cpu", rows=64, steps=30, prompts=8, prompt_
                        max_num_seqs=max(rows, prompts), max_num_batched_tokens=max(512, prompts * prompt_len))  # fmt: skip
     clock = ForwardClock(model, engine.runner, device)
     result = {"device": str(device)}
-    result.update(decode_overhead(engine, clock, rows, steps, prompt_len, vocab))
+    result.update(decode_overhead(engine, clock, rows, steps, prompt_len, vocab, temperature, seeded))
     result.update(prefill_forwards(engine, clock, prompts, prompt_len, vocab))
     return result
 
@@ -137,6 +140,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s: a tiny model)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the decode rows' (default greedy)")
+    p.add_argument("--seeded", action="store_true", help="each decode row with a seed of its own (its own generator)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     checkpoint = args.checkpoint
@@ -148,9 +153,11 @@ def main(argv=None):
         checkpoint = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
     from machine import cpu_info
 
-    result = run(checkpoint, args.device, args.rows, args.steps, args.prompts, dtype=getattr(torch, args.dtype))
+    result = run(checkpoint, args.device, args.rows, args.steps, args.prompts, dtype=getattr(torch, args.dtype),
+                 temperature=args.temperature, seeded=args.seeded)  # fmt: skip
     print(f"cpu: {cpu_info()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
-    print(f"decode, {result['rows']} rows: step {result['step_ms']:.2f} ms = forward {result['forward_ms']:.2f} ms "
+    how = "greedy" if not args.temperature else f"temperature {args.temperature:g}" + (", seeded" if args.seeded else "")
+    print(f"decode, {result['rows']} rows ({how}): step {result['step_ms']:.2f} ms = forward {result['forward_ms']:.2f} ms "
           f"+ host overhead {result['overhead_ms']:.2f} ms (target <= 2 ms); {result['forwards_per_step']:g} "
           f"forward(s) per step")  # fmt: skip
     print(f"prefill of {result['prompts']} prompts at once: {result['first_step_forwards']} forward(s) in the first "
