@@ -19,7 +19,7 @@ included), a failure recorded and the next step run:
                     --no-cuda-graphs (eager), the baseline the graphs are measured against
   int8 <largest>    int8 by both routes (gpt-fast's fused cast; torch's int8pack kernel) under graphs, then compiled
   profile ...       one decode step's kernels (torch.profiler): how many, their GPU time against the step's wall
-                    time, the costliest; bf16 on the first size, int8 and int4 on the largest
+                    time, the costliest; bf16 on the first size (graphs, eager, compiled), int8 and int4 on the largest
   transformers <s>  transformers' generate, eager and with a fixed-length StaticCache (compiled by it)
   load benchmark    loading the first size's checkpoint onto the GPU
   cuda tests        pytest -m cuda (our CUDA tests), last: its collection alone is slow
@@ -52,7 +52,7 @@ WORKERS = HERE / "bench" / "gpu_workers.py"
 # seconds each step may take at most, on an H100 (compiles of ~60 s at 8B; the engine's flex route compiles
 # one kernel per decode bucket); their sum exceeds --deadline on purpose: the order says what is cut
 STEPS = {"engine flex": 150, "engine paged": 110, "int4": 150, "decode": 110, "decode 8B": 150, "int8": 150,
-         "profile bf16": 60, "profile quantized": 90, "transformers": 90, "transformers 8B": 150, "load benchmark": 60, "cuda tests": 240}  # fmt: skip
+         "profile bf16": 120, "profile quantized": 90, "transformers": 90, "transformers 8B": 150, "load benchmark": 60, "cuda tests": 240}  # fmt: skip
 SMOKE_LIMIT = 60  # each step of --smoke, on a CPU
 QUANTIZED = "int4/compiled,int4/graphs,int8/graphs,int8pack/graphs,int8/compiled"
 
@@ -71,7 +71,7 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
     for i, size in enumerate(sizes):
         steps.append((f"decode {size}", work("decode", size, ("bfloat16/eager," if i == 0 else "") + OURS), ""))
     steps.append((f"int8 {largest}", work("decode", largest, quantized["int8"]), ""))
-    steps.append((f"profile bf16 {sizes[0]}", work("profile", sizes[0], "bfloat16/graphs,bfloat16/eager"), ""))
+    steps.append((f"profile bf16 {sizes[0]}", work("profile", sizes[0], "bfloat16/graphs,bfloat16/eager,bfloat16/compiled"), ""))
     steps.append((f"profile quantized {largest}", work("profile", largest, PROFILED_QUANTIZED), ""))
     steps += [(f"transformers {size}", work("transformers", size, "eager,static-compile"), "") for size in sizes]
     load = [py, str(HERE / "bench" / "benchmark_load.py"), "--device", args.device, "--repeats", "1" if args.smoke

@@ -127,7 +127,7 @@ def kernel_table(model, device: str, mode: str, new_tokens: int) -> tuple[dict, 
     from qwen3_scratch.generation.loops import generate_tokens
     from qwen3_scratch.sampling.logits import LogitsFilter
 
-    how = {"graphs": dict(cuda_graphs=True), "eager": dict(cuda_graphs=False)}[mode]
+    how = {"graphs": dict(cuda_graphs=True), "eager": dict(cuda_graphs=False), "compiled": dict(compile=True)}[mode]
     ids, cuda = prompt_ids(model.config.vocab_size), device == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -176,6 +176,10 @@ def profile_worker(args, out: Path) -> None:
             torch.cuda.empty_cache() if args.device == "cuda" else None
             model, _ = load_or_draw(args.size, args.device, args.weights, quantize)
             loaded = quantize
+        if mode == "compiled" and args.device != "cuda":
+            record["results"][f"profile {variant}"] = {"skipped": "--compile is for CUDA"}
+            out.write_text(json.dumps(record))
+            continue
         use_int8_route(model, route or ("fused-cast" if args.device == "cuda" else "cpu"))
         forget_graphs(model)
         record_result(record, out, f"profile {variant}", lambda m=mode, model=model: profile_step(model, args.device, m))
