@@ -2,6 +2,7 @@
 statistics and reproducibility, refusals of impossible settings, and generation_config.json defaults."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -387,3 +388,16 @@ def test_greedy_draw_equals_argmax_of_the_widened_logits_with_the_isfinite_check
     logits[11] = float("-inf")
     reference = torch.where(torch.isfinite(logits).all(-1), logits.float().argmax(-1), NON_FINITE)
     assert torch.equal(greedy(logits), reference), f"greedy {greedy(logits).tolist()} != {reference.tolist()}"
+
+
+def test_the_races_noise_is_exponential_and_never_zero():
+    """exponential_noise (-log(1 - U), faster on a CPU than torch's exponential_) is Exponential(1): its mean,
+    and P(E > t) = exp(-t), within a few standard errors of 200,000 draws; no draw is 0."""
+    from qwen3_scratch.sampling.logits import exponential_noise
+
+    noise = exponential_noise(torch.empty(200_000), torch.Generator().manual_seed(0))
+    assert noise.min() > 0 and torch.isfinite(noise).all()
+    assert abs(noise.mean().item() - 1) < 5 * (1 / 200_000) ** 0.5, "Exponential(1) has mean 1, sd 1"
+    for t in (0.1, 1.0, 3.0):
+        share, p = (noise > t).float().mean().item(), math.exp(-t)
+        assert abs(share - p) < 5 * (p * (1 - p) / 200_000) ** 0.5, f"P(E > {t}) = {share:.4f}, not {p:.4f}"

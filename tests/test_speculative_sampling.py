@@ -59,7 +59,9 @@ def assert_2nd_and_3rd_tokens_follow_the_model(model, prompt: list[int], outputs
         second = sum(first[a] * probs(prompt + [a]) for a in range(8))
         third = sum(first[a] * probs(prompt + [a])[b] * probs(prompt + [a, b]) for a in range(8) for b in range(8))
     acceptance = speculator.num_accepted / speculator.num_proposed
-    assert 0.1 < acceptance < 0.9, f"acceptance {acceptance:.2f} too one-sided to test both paths"
+    # the n-gram test's acceptance is ~0.1 in expectation (0.106 and 0.094 under two noise streams): 5% of its
+    # ~6,000 proposals is still hundreds of accepted tokens, and 95% hundreds rejected
+    assert 0.05 < acceptance < 0.95, f"acceptance {acceptance:.3f} too one-sided to test both paths"
     for what, row, p in (("2nd token", counts[0], second), ("3rd token", counts[1], third)):
         stat, p_value = chi_square(row, p)
         assert p_value > 1e-6, f"{what}: chi-square {stat:.1f}, p-value {p_value:.2g}; {row.tolist()} vs {p.tolist()}"

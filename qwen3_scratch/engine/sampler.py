@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qwen3_scratch.sampling.logits import filter_logits
+from qwen3_scratch.sampling.logits import exponential_noise, filter_logits
 from qwen3_scratch.sampling.logprobs import TokenLogprob, score_tokens
 from qwen3_scratch.sampling.processors import LogitsProcessing, process_logits
 from qwen3_scratch.sampling.after_reasoning import GrammarAfterReasoning
@@ -79,7 +79,8 @@ def sample(seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
             groups.setdefault(seq.params.logits_filter, []).append(i)
     for params, index in groups.items():
         probs = filter_logits(logits[index], params).softmax(dim=-1)  # (n, V)
-        drawn = race(probs, [seqs[i].generator for i in index])
+        # a seeded request's rows draw from their own generators; the others' noise is drawn in one call
+        drawn = race(probs, [seqs[i].generator if seqs[i].params.seed is not None else None for i in index])
         for i, token in zip(index, drawn):
             tokens[i] = token
     return tokens
@@ -92,17 +93,17 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
 
     Batched: one division, one argmax and one copy to the host for all rows. Row by row (an argmax and an
     int() each) it was 64 host syncs a step at 64 rows, which on a GPU left the card idle most of the step."""
-    noise = torch.empty_like(probs)
     unseeded = [row for row, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
-        noise.exponential_()
+        noise = exponential_noise(probs)
     else:
+        noise = torch.empty_like(probs)
         for row, g in enumerate(generators):
             if g is not None:
-                noise[row].exponential_(generator=g)
+                noise[row] = exponential_noise(probs[row], g)
         if unseeded:
-            noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
-    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1).tolist()
+            noise[unseeded] = exponential_noise(probs[unseeded])
+    return (probs / noise).argmax(dim=-1).tolist()
 
 
 def record(seq: Sequence, raw: torch.Tensor, token: int) -> None:

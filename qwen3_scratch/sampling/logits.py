@@ -187,7 +187,17 @@ def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generato
     finite = torch.isfinite(logits).all(dim=-1) if finite is None else finite  # (B,)
     probs = filter_logits(logits, params).softmax(dim=-1)  # (B, V) float32
     finite &= torch.isfinite(probs).all(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    # an exact 0 draw would turn 0 / 0 into NaN, which argmax ranks above every number
-    noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    noise = exponential_noise(probs, generator)
     return torch.where(finite, (probs / noise).argmax(dim=-1), NON_FINITE)
+
+
+def exponential_noise(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """E ~ Exponential(1), one per entry of probs, never 0: the race's noise (`sample`).
+
+    Made as -log(1 - U), U ~ Uniform[0, 1), which is what Exponential(1) is. On a CPU, torch's own
+    `exponential_` costs 5-6x as much: 2.9 ms against 0.57 for one row of Qwen3's 151,936 ids, and 184 ms
+    against 47 for 64 rows (1 thread, AMD EPYC): a sampled serving step of 64 rows spent most of its time
+    there. An exact 0 (U = 0) would turn p / E = 0 / 0 into NaN, which argmax ranks above every number: it is
+    raised to the smallest normal float."""
+    noise = torch.empty_like(probs).uniform_(generator=generator)
+    return noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)

@@ -24,7 +24,7 @@ Shapes: k proposed tokens, V vocab.
 
 import torch
 
-from .logits import NON_FINITE, LogitsFilter, filter_logits, sample
+from .logits import NON_FINITE, LogitsFilter, exponential_noise, filter_logits, sample
 
 
 def distribution(logits: torch.Tensor, params: LogitsFilter) -> torch.Tensor:
@@ -35,8 +35,7 @@ def distribution(logits: torch.Tensor, params: LogitsFilter) -> torch.Tensor:
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token from probs (V,), by `sample`'s exponential race: argmax(probs / E), E ~ Exponential(1)
     (it uses the generator as `sample` does, so a round that checks nothing draws what `sample` would)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax())
+    return int((probs / exponential_noise(probs, generator)).argmax())
 
 
 def verify_greedy(target_logits: torch.Tensor, proposed: list[int]) -> list[int]:
