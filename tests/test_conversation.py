@@ -152,6 +152,23 @@ def test_stream_pieces_add_up_to_the_message_and_closing_early_keeps_the_tokens_
     assert_logits_match(pipe.conversation.cache.prefill(prompt), fresh_logits(pipe.model, prompt), "after Ctrl-C")
 
 
+def test_should_stop_ends_the_stream_after_the_token_it_was_asked_at_even_when_no_piece_shows(pipe):
+    """The chat command's Ctrl-C is asked after every token: a stretch that shows nothing (a tool call being
+    written, held until it closes) must still stop at once, with the reply as it was shown, as closing does."""
+    messages = [user("Count to ten.")]
+    request = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    pipe.chat(messages, request)
+    full_ids, full = list(pipe.conversation.last_ids), pipe.conversation.last_message
+    asked = []
+    pieces = list(pipe.chat_stream(messages, request, should_stop=lambda: asked.append(1) or len(asked) >= 5))
+    cut = pipe.conversation.last_message
+    assert pipe.conversation.last_ids == full_ids[:5], "the stream ended right after the 5th token"
+    assert "".join(p.text for p in pieces if p.kind == "content") == cut["content"], "the reply is what was shown"
+    assert full["content"].startswith(cut["content"])
+    prompt = pipe.tokenizer.chat_ids(messages + [cut, user("Go on.")])
+    assert_logits_match(pipe.conversation.cache.prefill(prompt), fresh_logits(pipe.model, prompt), "after should_stop")
+
+
 def test_an_int8_model_chats_with_its_cache_in_the_activations_dtype(checkpoint):
     """With int8 weights, two reused turns give the simple loop's greedy tokens on the same prompts (a KV
     cache in the int8 lm_head's dtype would truncate every key and drift), and the cache is bf16."""

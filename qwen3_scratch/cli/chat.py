@@ -155,13 +155,18 @@ class ChatSession:
             text, self.switch = f"{text} {self.switch}", None
         self.messages.append({"role": "user", "content": text})
         printer = ReplyPrinter(self.out, self.hide_thinking)
-        stream = self.pipe.chat_stream(self.conversation(), self.params, self.tools, self.thinking)
+        ctrl_c = CtrlC()
+        # asked after every token, not only between pieces: a tool call's arguments show nothing until it closes
+        stream = self.pipe.chat_stream(self.conversation(), self.params, self.tools, self.thinking,
+                                       should_stop=lambda: ctrl_c.pressed)  # fmt: skip
         try:
-            with CtrlC() as ctrl_c:
+            with ctrl_c:
                 for delta in stream:
                     printer.show(delta)
                     if ctrl_c.pressed:
                         raise KeyboardInterrupt
+                if ctrl_c.pressed:  # the stream ended at should_stop
+                    raise KeyboardInterrupt
         except KeyboardInterrupt:
             stream.close()  # keeps the tokens so far as the reply, and the cache consistent
             printer.end()
@@ -223,12 +228,12 @@ class ChatSession:
 
 
 class CtrlC:
-    """Ctrl-C while an answer streams, noted and acted on between two pieces of the answer.
+    """Ctrl-C while an answer streams, noted and acted on between two tokens of the answer (the stream asks).
 
     A KeyboardInterrupt raised wherever the main thread happens to be could land inside the stream's
     bookkeeping of a token (counted but not yet parsed), and the reply kept would then not be the tokens
-    generated. Noted here, the answer stops at a piece boundary, where the stream's state is whole. A
-    second Ctrl-C before the next piece (a long prefill) interrupts at once, as usual."""
+    generated. Noted here, the answer stops at a token boundary, where the stream's state is whole. A
+    second Ctrl-C before the next token (a long prefill) interrupts at once, as usual."""
 
     def __enter__(self):
         self.pressed, self.previous = False, None

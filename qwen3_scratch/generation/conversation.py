@@ -24,7 +24,7 @@ import torch
 from qwen3_scratch.errors import GenerationError
 from qwen3_scratch.model.kv_cache import KVCache, attended_slots, attention_mask
 from qwen3_scratch.model.qwen3 import Qwen3
-from qwen3_scratch.sampling.logits import NON_FINITE, LogitsFilter, sample
+from qwen3_scratch.sampling.logits import NON_FINITE, LogitsFilter, all_finite, sample
 from qwen3_scratch.sampling.params import SamplingParams
 from qwen3_scratch.sampling.processors import LogitsProcessing, LoopProcessing
 from qwen3_scratch.text.chat_parser import Delta, StreamParser, prompt_opens_thinking
@@ -168,13 +168,16 @@ class Conversation:
         self.last_stats: TurnStats | None = None
 
     def stream(self, messages: list[dict], params: SamplingParams, tools=None, thinking: bool = True,
-               processing: LogitsProcessing | None = None) -> Iterator[Delta]:  # fmt: skip
+               processing: LogitsProcessing | None = None, should_stop=None) -> Iterator[Delta]:  # fmt: skip
         """Yield the reply to `messages` as typed pieces; `last_message` holds it once the stream ends.
 
         params: its unset fields take the checkpoint's defaults. The reply ends at EOS, a stop token,
         max_tokens or the context end; at a stop string the answer ends before it. Closing the stream
         early (Ctrl-C) still leaves what was generated so far in `last_message`. processing: the
-        request's penalties, bias, min_tokens and bad words (sampling/processors.py).
+        request's penalties, bias, min_tokens and bad words (sampling/processors.py). should_stop: asked after
+        every token; True ends the stream there as closing it would. A reader stops between pieces, and a
+        stretch of tokens may show none (a tool call's arguments are held until it closes): this is how a
+        Ctrl-C during one still stops the answer at once.
         """
         params = params.with_defaults(self.generation_config)
         context = self.model.config.max_position_embeddings
@@ -212,6 +215,8 @@ class Conversation:
                 yield from shown.push(parser, token)
                 if stopped or token in stop_ids:
                     break
+                if should_stop is not None and should_stop():
+                    return  # as if closed: the tokens so far are the reply (finally, below)
             finished = True
             yield from shown.finish(parser)
         finally:
@@ -230,7 +235,7 @@ class Conversation:
         for i in range(n_new):
             finite = None
             if process is not None:  # the model's logits are checked before processing bans tokens with -inf
-                finite, logits = torch.isfinite(logits).all(dim=-1), process(logits)
+                finite, logits = all_finite(logits), process(logits)
             token = int(sample(logits, params, generator, finite))  # the host sync streaming needs anyway
             if process is not None:
                 process.push(torch.tensor([token], device=logits.device))

@@ -23,7 +23,7 @@ from qwen3_scratch.generation.compile_cache import compile_options
 from qwen3_scratch.generation.cuda_graph import can_graph, graphed_decode
 from qwen3_scratch.model.kv_cache import KVCache, attended_slots, attention_mask
 from qwen3_scratch.model.qwen3 import Qwen3
-from qwen3_scratch.sampling.logits import LogitsFilter, sample
+from qwen3_scratch.sampling.logits import LogitsFilter, all_finite, sample
 from qwen3_scratch.sampling.processors import LogitsProcessing, LoopProcessing
 
 
@@ -193,7 +193,7 @@ def generate_tokens(
     for i in range(n_new):
         finite = None
         if process is not None:  # the model's logits are checked before processing bans tokens with -inf
-            finite, logits = torch.isfinite(logits).all(dim=-1), process(logits)
+            finite, logits = all_finite(logits), process(logits)
         tokens = sample(logits, sampling, generator, finite)  # (B,)
         if process is not None:
             process.push(tokens)

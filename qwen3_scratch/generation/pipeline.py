@@ -300,14 +300,15 @@ class Pipeline:
         return self._conversation
 
     def chat_stream(self, messages: list[dict], params: SamplingParams | None = None, tools=None,
-                    thinking: bool = True) -> Iterator[Delta]:  # fmt: skip
+                    thinking: bool = True, should_stop=None) -> Iterator[Delta]:  # fmt: skip
         """Yield the assistant's reply to `messages` as typed pieces: reasoning text, answer text, finished
         tool calls. The KV cache of the previous turn is reused as far as the two prompts agree;
-        `self.conversation.last_message` is the reply (also after the stream is closed early)."""
+        `self.conversation.last_message` is the reply (also after the stream is closed early, or ended by
+        should_stop, a callable asked after every token: the chat command's Ctrl-C)."""
         conversation = self.conversation
         try:
             params = self.resolve(params)
-            yield from conversation.stream(messages, params, tools, thinking, self.processing(params))
+            yield from conversation.stream(messages, params, tools, thinking, self.processing(params), should_stop)
         finally:
             if (turn := conversation.last_stats) is not None:
                 steps = turn.generated_tokens

@@ -141,11 +141,37 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def top_k_then_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """top_p_filter(top_k_filter(logits, k), p) with the nucleus found among the top-k survivors alone.
+
+    After top-k only the survivors (k of them, more with ties at the k-th) have any probability, so ranking
+    them is enough: the same order (by logit, ties by lower id), the same probabilities (their softmax, summed
+    over the survivors rather than over V entries, equal but for the last bit, which _TOP_P_SLACK absorbs),
+    the same kept set. Sorting all 151,936 logits of a row instead took 5.5 ms of a CPU's sampled step (Qwen3's
+    defaults: top_k 20, top_p 0.95), longer than the rest of the draw. The survivors' count is read on the
+    host, so this is for a CPU; a GPU, which sorts fast and must not sync, takes the two filters."""
+    values, ids = logits.topk(k, dim=-1)  # (B, k)
+    n = int((logits >= values[..., -1:]).sum(dim=-1).max())  # survivors: ties with the k-th count too
+    if n > k:  # ties at the k-th: every survivor, and -inf in the rows that have fewer
+        values, ids = top_k_filter(logits, k).topk(n, dim=-1)
+    ids, by_id = ids.sort(dim=-1)  # ties are ranked by token id, as top_p_filter's stable sort ranks them
+    ranked, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    probs = ranked.softmax(dim=-1)  # (B, n), most likely first
+    mass_above = F.pad(probs.cumsum(dim=-1)[..., :-1], (1, 0))
+    keep = mass_above < p - _TOP_P_SLACK
+    keep[..., 0] = True  # the top token survives even a tiny p
+    kept = ranked.masked_fill(~keep, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, ids.gather(-1, order), kept)  # (B, V)
+
+
 def filter_logits(logits: torch.Tensor, params: LogitsFilter) -> torch.Tensor:
     """All filters in transformers' order, on float32 logits (B, V). Not for greedy params."""
     logits = apply_temperature(logits.float(), params.temperature)
-    logits = top_k_filter(logits, params.top_k)
-    logits = top_p_filter(logits, params.top_p)
+    k, p = params.top_k, params.top_p
+    if 0 < k < logits.shape[-1] and p < 1 and logits.device.type == "cpu" and not torch.compiler.is_compiling():
+        logits = top_k_then_top_p(logits, k, p)
+    else:
+        logits = top_p_filter(top_k_filter(logits, k), p)
     return min_p_filter(logits, params.min_p)
 
 
@@ -161,6 +187,13 @@ def greedy(logits: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Te
         best = wide.gather(-1, tokens[:, None])[:, 0]  # (B,)
         finite = torch.isfinite(wide.amin(dim=-1)) & torch.isfinite(best)
     return torch.where(finite, tokens, NON_FINITE)
+
+
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """(B, V) -> (B,) bool: no NaN or inf in the row. By its smallest and largest entries (both reductions carry a
+    NaN through), which read the row without making isfinite's (B, V) mask: at 16 x 151,936, 0.18 ms against
+    4.2 ms on a CPU (2 threads, AMD EPYC)."""
+    return torch.isfinite(x.amin(dim=-1)) & torch.isfinite(x.amax(dim=-1))
 
 
 def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generator | None = None,
@@ -184,9 +217,9 @@ def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generato
     """
     if params.greedy:
         return greedy(logits, finite)
-    finite = torch.isfinite(logits).all(dim=-1) if finite is None else finite  # (B,)
+    finite = all_finite(logits) if finite is None else finite  # (B,)
     probs = filter_logits(logits, params).softmax(dim=-1)  # (B, V) float32
-    finite &= torch.isfinite(probs).all(dim=-1)
+    finite &= all_finite(probs)
     noise = exponential_noise(probs, generator)
     return torch.where(finite, (probs / noise).argmax(dim=-1), NON_FINITE)
 
