@@ -15,11 +15,13 @@ included), a failure recorded and the next step run:
                     over a window of its steps (torch.profiler): scripts/bench/nano_vllm_workload.py
   engine paged      the same by the gathered route, eager (the fallback)
   int4 <largest>    int4 (tinygemm) compiled, then under graphs (the default command)
-  decode <size>     ours, bf16, batch 1: the default command (CUDA graphs) and --compile; the first size also
-                    --no-cuda-graphs (eager), the baseline the graphs are measured against
+  decode <size>     ours, bf16, batch 1: the default command (CUDA graphs), graphs over compiled RMSNorms
+                    (kernels/norms.py) and --compile; the first size also --no-cuda-graphs (eager), the
+                    baseline the graphs are measured against
   int8 <largest>    int8 by both routes (gpt-fast's fused cast; torch's int8pack kernel) under graphs, then compiled
   profile ...       one decode step's kernels (torch.profiler): how many, their GPU time against the step's wall
-                    time, the costliest; bf16 on the first size (graphs, eager, compiled), int8 and int4 on the largest
+                    time, the costliest; bf16 on the first size (graphs, graphs-norms, eager, compiled), int8 and int4 on
+                    the largest
   transformers <s>  transformers' generate, eager and with a fixed-length StaticCache (compiled by it)
   load benchmark    loading the first size's checkpoint onto the GPU
   cuda tests        pytest -m cuda (our CUDA tests), last: its collection alone is slow
@@ -71,7 +73,7 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
     for i, size in enumerate(sizes):
         steps.append((f"decode {size}", work("decode", size, ("bfloat16/eager," if i == 0 else "") + OURS), ""))
     steps.append((f"int8 {largest}", work("decode", largest, quantized["int8"]), ""))
-    steps.append((f"profile bf16 {sizes[0]}", work("profile", sizes[0], "bfloat16/graphs,bfloat16/eager,bfloat16/compiled"), ""))
+    steps.append((f"profile bf16 {sizes[0]}", work("profile", sizes[0], PROFILED_BF16), ""))
     steps.append((f"profile quantized {largest}", work("profile", largest, PROFILED_QUANTIZED), ""))
     steps += [(f"transformers {size}", work("transformers", size, "eager,static-compile"), "") for size in sizes]
     load = [py, str(HERE / "bench" / "benchmark_load.py"), "--device", args.device, "--repeats", "1" if args.smoke
@@ -86,7 +88,8 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
             or command[command.index("--variants") + 1]]  # a step left with no variants (--quantized) is dropped
 
 
-OURS = "bfloat16/graphs,bfloat16/compiled"
+OURS = "bfloat16/graphs,bfloat16/graphs-norms,bfloat16/compiled"
+PROFILED_BF16 = "bfloat16/graphs,bfloat16/graphs-norms,bfloat16/eager,bfloat16/compiled"
 PROFILED_QUANTIZED = "int8/graphs,int4/graphs"
 
 

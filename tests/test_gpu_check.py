@@ -60,6 +60,7 @@ def test_smoke_decodes_eager_and_through_the_graph_runner_and_skips_compile(smok
     for variant in ("bfloat16/eager", "bfloat16/graphs"):
         assert results[variant]["decode_tok_s"] > 0 and len(results[variant]["tokens"]) == 4, results[variant]
     assert results["bfloat16/graphs"]["tokens"] == results["bfloat16/eager"]["tokens"], "graphs changed the tokens"
+    assert results["bfloat16/graphs-norms"]["tokens"] == results["bfloat16/eager"]["tokens"], "compiled norms did"
     assert results["bfloat16/compiled"] == {"skipped": "--compile is for CUDA"}
     assert "| tiny | bfloat16/graphs |" in markdown and "| tiny | bfloat16/compiled | --compile is for CUDA" in markdown
 
@@ -78,8 +79,8 @@ def test_smoke_profiles_a_decode_step_kernel_by_kernel(smoke):
     report, markdown = smoke
     profiles = {**report["steps"]["profile bf16 tiny"]["results"], **report["steps"]["profile quantized tiny"]["results"]}
     assert profiles.pop("profile bfloat16/compiled") == {"skipped": "--compile is for CUDA"}
-    assert set(profiles) == {"profile bfloat16/graphs", "profile bfloat16/eager", "profile int8/graphs",
-                             "profile int4/graphs"}, profiles  # fmt: skip
+    assert set(profiles) == {"profile bfloat16/graphs", "profile bfloat16/graphs-norms", "profile bfloat16/eager",
+                             "profile int8/graphs", "profile int4/graphs"}, profiles  # fmt: skip
     for key, r in profiles.items():
         assert r["kernels_per_step"] > 20 and r["kernel_us_per_step"] > 0 and r["wall_us_per_step"] > 0, (key, r)
         assert 0 < len(r["top"]) <= 14 and r["top"][0]["us_per_step"] >= r["top"][-1]["us_per_step"], (key, r)

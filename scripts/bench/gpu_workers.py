@@ -12,13 +12,15 @@ limit). Each worker writes its JSON record after every measurement, so a step cu
                   wall time, the costliest (what to fuse next)
 
 Variants of `decode` are "<weights>/<mode>": weights bfloat16, int8 (the device's default int8 route:
-gpt-fast's fused cast on a GPU), int8pack (torch._weight_int8pack_mm) or int4 (tinygemm on a GPU).
+gpt-fast's fused cast on a GPU), int8pack (torch._weight_int8pack_mm) or int4 (tinygemm on a GPU); modes
+eager, graphs, graphs-norms (graphs over RMSNorms compiled to one kernel each, kernels/norms.py), compiled.
 """
 
 import json
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -58,12 +60,32 @@ def prompt_ids(vocab_size: int) -> list[int]:
 # ---- ours --------------------------------------------------------------------------------------------------
 
 
+@contextmanager
+def norms_for(model, mode: str):
+    """Mode "graphs-norms": the graph runner over RMSNorms compiled to one kernel each (kernels/norms.py),
+    the eager norms back afterwards; the graphs captured over either are dropped on the way in and out."""
+    if mode != "graphs-norms":
+        yield
+        return
+    from qwen3_scratch.generation.cuda_graph import forget_graphs
+    from qwen3_scratch.kernels.norms import compile_norms, uncompile_norms
+
+    compile_norms(model)
+    forget_graphs(model)
+    try:
+        yield
+    finally:
+        uncompile_norms(model)
+        forget_graphs(model)
+
+
 def time_ours(model, device: str, mode: str, new_tokens: int) -> dict:
     """Decode tok/s after a warm-up generation (which pays the capture or the compile: warmup_s)."""
     from qwen3_scratch.generation.loops import generate_tokens
     from qwen3_scratch.sampling.logits import LogitsFilter
 
-    how = {"graphs": dict(cuda_graphs=True), "compiled": dict(compile=True), "eager": dict(cuda_graphs=False)}[mode]
+    how = {"graphs": dict(cuda_graphs=True), "graphs-norms": dict(cuda_graphs=True), "compiled": dict(compile=True),
+           "eager": dict(cuda_graphs=False)}[mode]  # fmt: skip
     ids = prompt_ids(model.config.vocab_size)
 
     def run(n):
@@ -112,7 +134,8 @@ def decode_worker(args, out: Path) -> None:
         step_bytes = bytes_per_decode_step(model, model.config, PROMPT_LEN + args.new_tokens // 2, 1)
 
         def measure(mode=mode):
-            r = time_ours(model, args.device, mode, args.new_tokens)
+            with norms_for(model, mode):
+                r = time_ours(model, args.device, mode, args.new_tokens)
             r["util"] = r["decode_tok_s"] * step_bytes / (record["bandwidth_gb_s"] * 1e9)
             return {**r, "bytes_per_step": step_bytes}
 
@@ -127,7 +150,8 @@ def kernel_table(model, device: str, mode: str, new_tokens: int) -> tuple[dict, 
     from qwen3_scratch.generation.loops import generate_tokens
     from qwen3_scratch.sampling.logits import LogitsFilter
 
-    how = {"graphs": dict(cuda_graphs=True), "eager": dict(cuda_graphs=False), "compiled": dict(compile=True)}[mode]
+    how = {"graphs": dict(cuda_graphs=True), "graphs-norms": dict(cuda_graphs=True), "eager": dict(cuda_graphs=False),
+           "compiled": dict(compile=True)}[mode]  # fmt: skip
     ids, cuda = prompt_ids(model.config.vocab_size), device == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -182,7 +206,11 @@ def profile_worker(args, out: Path) -> None:
             continue
         use_int8_route(model, route or ("fused-cast" if args.device == "cuda" else "cpu"))
         forget_graphs(model)
-        record_result(record, out, f"profile {variant}", lambda m=mode, model=model: profile_step(model, args.device, m))
+        def measure(mode=mode, model=model):
+            with norms_for(model, mode):
+                return profile_step(model, args.device, mode)
+
+        record_result(record, out, f"profile {variant}", measure)
 
 
 # ---- transformers ------------------------------------------------------------------------------------------
