@@ -84,8 +84,8 @@ def time_ours(model, device: str, mode: str, new_tokens: int) -> dict:
     from qwen3_scratch.generation.loops import generate_tokens
     from qwen3_scratch.sampling.logits import LogitsFilter
 
-    how = {"graphs": dict(cuda_graphs=True), "graphs-norms": dict(cuda_graphs=True), "compiled": dict(compile=True),
-           "eager": dict(cuda_graphs=False)}[mode]  # fmt: skip
+    how = {"graphs": {"cuda_graphs": True}, "graphs-norms": {"cuda_graphs": True}, "compiled": {"compile": True},
+           "eager": {"cuda_graphs": False}}[mode]  # fmt: skip
     ids = prompt_ids(model.config.vocab_size)
 
     def run(n):
@@ -133,7 +133,7 @@ def decode_worker(args, out: Path) -> None:
         forget_graphs(model)  # a graph captured over the other route's kernels would replay them
         step_bytes = bytes_per_decode_step(model, model.config, PROMPT_LEN + args.new_tokens // 2, 1)
 
-        def measure(mode=mode):
+        def measure(mode=mode, model=model, step_bytes=step_bytes):
             with norms_for(model, mode):
                 r = time_ours(model, args.device, mode, args.new_tokens)
             r["util"] = r["decode_tok_s"] * step_bytes / (record["bandwidth_gb_s"] * 1e9)
@@ -150,8 +150,8 @@ def kernel_table(model, device: str, mode: str, new_tokens: int) -> tuple[dict, 
     from qwen3_scratch.generation.loops import generate_tokens
     from qwen3_scratch.sampling.logits import LogitsFilter
 
-    how = {"graphs": dict(cuda_graphs=True), "graphs-norms": dict(cuda_graphs=True), "eager": dict(cuda_graphs=False),
-           "compiled": dict(compile=True)}[mode]  # fmt: skip
+    how = {"graphs": {"cuda_graphs": True}, "graphs-norms": {"cuda_graphs": True}, "eager": {"cuda_graphs": False},
+           "compiled": {"compile": True}}[mode]  # fmt: skip
     ids, cuda = prompt_ids(model.config.vocab_size), device == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
