@@ -212,6 +212,19 @@ def test_quantize_int8_generates_from_the_cli(tiny, capsys):
     assert pairs["generated_tokens"] == "6" and pairs["dtype"] == "int8", "int8 must load and generate"
 
 
+def test_int8_on_a_gpu_without_compile_gets_a_note_and_nothing_else_does(tiny, capsys):
+    """The note names the slow combination (int8, a GPU, no --compile) and no other: on a CPU the int8 run above
+    prints none."""
+    from qwen3_scratch.cli.flags import quantize_notice
+
+    assert "--compile" in quantize_notice("int8", "cuda", False)
+    for quantize, device, compiled in (("int8", "cuda", True), ("int8", "cpu", False), ("int4", "cuda", False),
+                                       (None, "cuda", False)):  # fmt: skip
+        assert quantize_notice(quantize, device, compiled) is None, (quantize, device, compiled)
+    code, _, err = cli(capsys, "--model", tiny, "--prompt", "Hi", "--max-new-tokens", "2", "--quantize", "int8")
+    assert code == 0 and "note:" not in err, err
+
+
 def test_compile_on_cpu_refuses_in_one_line(tiny, capsys):
     code, out, err = cli(capsys, "--model", tiny, "--prompt", "Hi", "--device", "cpu", "--compile")
     assert_one_line_error(code, err, "--compile", "drop --compile")

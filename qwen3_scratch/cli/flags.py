@@ -87,6 +87,16 @@ def check_quantize_flags(args) -> None:
         raise InputError("--quantize-group-size applies to --quantize int4 only: add --quantize int4 or drop it")
 
 
+def quantize_notice(quantize: str | None, device_type: str, compiled: bool) -> str | None:
+    """A line for stderr when the flags ask for a slow combination: int8 on a GPU without --compile. Its product
+    casts each weight to bf16 and multiplies, and only inductor fuses the two: under CUDA graphs alone an H200
+    ran 8B int8 at 34.8 tok/s against bf16's 125 (581 weight casts a step; docs/performance.md)."""
+    if quantize == "int8" and device_type == "cuda" and not compiled:
+        return ("note: int8 on a GPU is fast only with --compile (the cast to bf16 then fuses into each product); "
+                "without it every step casts every weight first, slower than bf16")
+    return None
+
+
 def sampling_flags(p: argparse.ArgumentParser) -> None:
     """How many tokens and how they are drawn; None means the checkpoint's generation_config.json."""
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many tokens (default %(default)s)")

@@ -23,6 +23,7 @@ from .flags import (
     model_flags,
     params_from_args,
     quantize_flags,
+    quantize_notice,
     run_cli,
     sampling_flags,
     speculative_args,
@@ -109,6 +110,8 @@ def run(args) -> None:
                              quantize_group_size=args.quantize_group_size, use_cache=args.kv_cache,
                              compile=args.compile, cuda_graphs=args.cuda_graphs, measure_bandwidth=args.show_stats,
                              tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
+    if notice := quantize_notice(args.quantize, pipe.model.device.type, args.compile):
+        print(f"{PROG}: {notice}", file=sys.stderr)
     from qwen3_scratch.kernels.aot_build import start_background_build
 
     start_background_build()  # the kernels inductor built, packaged for later starts (once)
