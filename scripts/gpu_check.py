@@ -54,7 +54,8 @@ WORKERS = HERE / "bench" / "gpu_workers.py"
 # seconds each step may take at most, on an H100 (compiles of ~60 s at 8B; the engine's flex route compiles
 # one kernel per decode bucket); their sum exceeds --deadline on purpose: the order says what is cut
 STEPS = {"engine flex": 150, "engine paged": 110, "int4": 150, "decode": 110, "decode 8B": 150, "int8": 150,
-         "profile bf16": 120, "profile quantized": 90, "transformers": 90, "transformers 8B": 150, "load benchmark": 60, "cuda tests": 240}  # fmt: skip
+         "profile bf16": 120, "profile quantized": 90, "transformers": 90, "transformers 8B": 150,
+         "load benchmark": 60, "cuda tests": 240}  # fmt: skip
 SMOKE_LIMIT = 60  # each step of --smoke, on a CPU
 QUANTIZED = "int4/compiled,int4/graphs,int8/graphs,int8pack/graphs,int8/compiled"
 

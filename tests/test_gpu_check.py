@@ -77,7 +77,8 @@ def test_smoke_measures_int4_first_then_int8_by_both_routes(smoke):
 def test_smoke_profiles_a_decode_step_kernel_by_kernel(smoke):
     """The profile steps say what a decode step launches (on a CPU, its aten ops) and how long each takes."""
     report, markdown = smoke
-    profiles = {**report["steps"]["profile bf16 tiny"]["results"], **report["steps"]["profile quantized tiny"]["results"]}
+    steps = report["steps"]
+    profiles = {**steps["profile bf16 tiny"]["results"], **steps["profile quantized tiny"]["results"]}
     assert profiles.pop("profile bfloat16/compiled") == {"skipped": "--compile is for CUDA"}
     assert set(profiles) == {"profile bfloat16/graphs", "profile bfloat16/graphs-norms", "profile bfloat16/eager",
                              "profile int8/graphs", "profile int4/graphs"}, profiles  # fmt: skip

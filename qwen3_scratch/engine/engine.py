@@ -221,7 +221,8 @@ class LLMEngine:
         """Run some of batch's chunks, each the way the batch would (decodes together, prompts alone):
         per chunk (its next-token logits (V,) or None, its prompt's logits (T, V) if it scores them)."""
         chosen = {id(c) for c in chunks}  # by identity: a Chunk's == compares its sequence field by field
-        part = ScheduledBatch([c for c in batch.decodes if id(c) in chosen], [c for c in batch.prefills if id(c) in chosen])
+        part = ScheduledBatch([c for c in batch.decodes if id(c) in chosen],
+                              [c for c in batch.prefills if id(c) in chosen])
         logits = self.runner.run(part)
         prompt = self.runner.prompt_logits  # this run's
         return [(logits.get(id(chunk.seq)), prompt.get(id(chunk.seq))) for chunk in chunks]

@@ -75,7 +75,8 @@ def random_prompts(n, length, vocab, seed):
 
 def decode_overhead(engine, clock, rows, steps, prompt_len, vocab, temperature=0.0, seeded=False):
     for i, ids in enumerate(random_prompts(rows, prompt_len, vocab, seed=1)):
-        params = SamplingParams(temperature=temperature, max_tokens=steps + 8, ignore_eos=True, seed=i if seeded else None)
+        seed = i if seeded else None
+        params = SamplingParams(temperature=temperature, max_tokens=steps + 8, ignore_eos=True, seed=seed)
         engine.add_request(f"d{i}", ids, params)
     while any(seq.num_computed < seq.num_prompt_tokens for seq in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -156,7 +157,7 @@ def main(argv=None):
     result = run(checkpoint, args.device, args.rows, args.steps, args.prompts, dtype=getattr(torch, args.dtype),
                  temperature=args.temperature, seeded=args.seeded)  # fmt: skip
     print(f"cpu: {cpu_info()[0]}, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
-    how = "greedy" if not args.temperature else f"temperature {args.temperature:g}" + (", seeded" if args.seeded else "")
+    how = f"temperature {args.temperature:g}" + (", seeded" if args.seeded else "") if args.temperature else "greedy"
     print(f"decode, {result['rows']} rows ({how}): step {result['step_ms']:.2f} ms = forward {result['forward_ms']:.2f} ms "
           f"+ host overhead {result['overhead_ms']:.2f} ms (target <= 2 ms); {result['forwards_per_step']:g} "
           f"forward(s) per step")  # fmt: skip
