@@ -401,3 +401,20 @@ def test_the_races_noise_is_exponential_and_never_zero():
     for t in (0.1, 1.0, 3.0):
         share, p = (noise > t).float().mean().item(), math.exp(-t)
         assert abs(share - p) < 5 * (p * (1 - p) / 200_000) ** 0.5, f"P(E > {t}) = {share:.4f}, not {p:.4f}"
+
+
+def test_top_p_among_the_top_k_survivors_equals_the_two_filters_bit_for_bit():
+    """filter_logits' CPU path (top_k_then_top_p) ranks only the top-k survivors; it must keep exactly what
+    top_p_filter(top_k_filter(...)) keeps, ties at the k-th and inside the nucleus included."""
+    from qwen3_scratch.sampling.logits import top_k_then_top_p
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(150):
+        x = torch.randn(4, int(torch.randint(70, 2000, (1,), generator=g)), generator=g) * 3
+        if trial % 3 == 0:
+            x = x.round()  # many ties
+        if trial % 5 == 0:
+            x[:, :50] = 7.0  # more tokens tied at the top than k
+        k, p = int(torch.randint(1, 60, (1,), generator=g)), float(torch.rand(1, generator=g)) * 0.99 + 0.005
+        expected = top_p_filter(top_k_filter(x, k), p)
+        assert torch.equal(top_k_then_top_p(x, k, p), expected), f"trial {trial}: k={k}, p={p:.3f}"

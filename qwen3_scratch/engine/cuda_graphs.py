@@ -53,12 +53,11 @@ class Recorded:
 
 @dataclass
 class Captured:
-    """One bucket's graph and everything its replays read: the static batch, the cache view made from it
-    (with its mask buffers) and the step that refreshes the view and runs the forward."""
+    """One bucket's graph and everything its replays read: the static batch, and the step that refreshes the
+    cache view made from it and runs the forward (the step holds that view, and with it the mask buffers)."""
 
     graph: "torch.cuda.CUDAGraph | Recorded"
     static: PackedBatch
-    view: object
     step: Callable[[], torch.Tensor]
     logits: torch.Tensor  # the graph's output buffer (b, V)
 
@@ -111,11 +110,11 @@ class DecodeGraphs:
 
         if not self.use_cuda:
             out = step()
-            return Captured(Recorded(step, out), static, view, step, out)
+            return Captured(Recorded(step, out), static, step, out)
         step()  # warm up outside the graph: compiles, autotunes, allocates lazily made state
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = step()
         self.pool = graph.pool()
-        return Captured(graph, static, view, step, out)
+        return Captured(graph, static, step, out)

@@ -120,12 +120,19 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     if p >= 1:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (B, V) each
-    probs = sorted_logits.float().softmax(dim=-1)  # (B, V), most likely first
-    mass_above = F.pad(probs.cumsum(dim=-1)[..., :-1], (1, 0))  # (B, V) probability ranked above each
-    drop_sorted = mass_above >= p - _TOP_P_SLACK
-    drop_sorted[..., 0] = False  # the top token survives even a tiny p
+    drop_sorted = outside_nucleus(sorted_logits, p)
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # (B, V) back in vocab order
     return logits.masked_fill(drop, float("-inf"))
+
+
+def outside_nucleus(ranked: torch.Tensor, p: float) -> torch.Tensor:
+    """(B, n) logits ranked most likely first -> (B, n) bool, True for the tokens top-p drops: those the tokens
+    ranked above already hold p of the probability (within _TOP_P_SLACK); never the top one."""
+    probs = ranked.float().softmax(dim=-1)  # (B, n)
+    mass_above = F.pad(probs.cumsum(dim=-1)[..., :-1], (1, 0))  # (B, n) probability ranked above each
+    drop = mass_above >= p - _TOP_P_SLACK
+    drop[..., 0] = False  # the top token survives even a tiny p
+    return drop
 
 
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -156,11 +163,7 @@ def top_k_then_top_p(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
         values, ids = top_k_filter(logits, k).topk(n, dim=-1)
     ids, by_id = ids.sort(dim=-1)  # ties are ranked by token id, as top_p_filter's stable sort ranks them
     ranked, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
-    probs = ranked.softmax(dim=-1)  # (B, n), most likely first
-    mass_above = F.pad(probs.cumsum(dim=-1)[..., :-1], (1, 0))
-    keep = mass_above < p - _TOP_P_SLACK
-    keep[..., 0] = True  # the top token survives even a tiny p
-    kept = ranked.masked_fill(~keep, float("-inf"))
+    kept = ranked.masked_fill(outside_nucleus(ranked, p), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, ids.gather(-1, order), kept)  # (B, V)
 
 

@@ -34,6 +34,9 @@ from qwen3_scratch.generation.stats import bytes_per_decode_step, measure_bandwi
 
 PROMPT_LEN = 16
 SCHEMES = {"bfloat16": (None, None), "int8": ("int8", None), "int8pack": ("int8", "int8pack"), "int4": ("int4", None)}
+# generate_tokens' arguments for each mode ("graphs-norms" also compiles the norms: norms_for)
+MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}, "graphs-norms": {"cuda_graphs": True},
+         "compiled": {"compile": True}}  # fmt: skip
 
 
 def progress(message: str) -> None:
@@ -84,8 +87,7 @@ def time_ours(model, device: str, mode: str, new_tokens: int) -> dict:
     from qwen3_scratch.generation.loops import generate_tokens
     from qwen3_scratch.sampling.logits import LogitsFilter
 
-    how = {"graphs": {"cuda_graphs": True}, "graphs-norms": {"cuda_graphs": True}, "compiled": {"compile": True},
-           "eager": {"cuda_graphs": False}}[mode]  # fmt: skip
+    how = MODES[mode]
     ids = prompt_ids(model.config.vocab_size)
 
     def run(n):
@@ -150,8 +152,7 @@ def kernel_table(model, device: str, mode: str, new_tokens: int) -> tuple[dict, 
     from qwen3_scratch.generation.loops import generate_tokens
     from qwen3_scratch.sampling.logits import LogitsFilter
 
-    how = {"graphs": {"cuda_graphs": True}, "graphs-norms": {"cuda_graphs": True}, "eager": {"cuda_graphs": False},
-           "compiled": {"compile": True}}[mode]  # fmt: skip
+    how = MODES[mode]
     ids, cuda = prompt_ids(model.config.vocab_size), device == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
