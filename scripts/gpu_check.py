@@ -53,7 +53,7 @@ ROOT = HERE.parent
 WORKERS = HERE / "bench" / "gpu_workers.py"
 # seconds each step may take at most, on an H100 (compiles of ~60 s at 8B; the engine's flex route compiles
 # one kernel per decode bucket); their sum exceeds --deadline on purpose: the order says what is cut
-STEPS = {"engine flex": 150, "engine paged": 110, "int4": 150, "decode": 110, "decode 8B": 150, "int8": 150,
+STEPS = {"engine flex": 150, "engine paged": 110, "int4": 150, "decode": 130, "decode 8B": 150, "int8": 150,
          "profile bf16": 120, "profile quantized": 90, "transformers": 90, "transformers 8B": 150,
          "load benchmark": 60, "cuda tests": 240}  # fmt: skip
 SMOKE_LIMIT = 60  # each step of --smoke, on a CPU
@@ -89,8 +89,8 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
             or command[command.index("--variants") + 1]]  # a step left with no variants (--quantized) is dropped
 
 
-OURS = "bfloat16/graphs,bfloat16/graphs-norms,bfloat16/compiled"
-PROFILED_BF16 = "bfloat16/graphs,bfloat16/graphs-norms,bfloat16/eager,bfloat16/compiled"
+OURS = "bfloat16/graphs,bfloat16/graphs-fused,bfloat16/graphs-norms,bfloat16/compiled"
+PROFILED_BF16 = "bfloat16/graphs,bfloat16/graphs-fused,bfloat16/graphs-norms,bfloat16/eager,bfloat16/compiled"
 PROFILED_QUANTIZED = "int8/graphs,int4/graphs"
 
 

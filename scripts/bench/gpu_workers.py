@@ -13,7 +13,8 @@ limit). Each worker writes its JSON record after every measurement, so a step cu
 
 Variants of `decode` are "<weights>/<mode>": weights bfloat16, int8 (the device's default int8 route:
 gpt-fast's fused cast on a GPU), int8pack (torch._weight_int8pack_mm) or int4 (tinygemm on a GPU); modes
-eager, graphs, graphs-norms (graphs over RMSNorms compiled to one kernel each, kernels/norms.py), compiled.
+eager, graphs, graphs-norms (graphs over RMSNorms compiled to one kernel each, kernels/norms.py), graphs-fused
+(graphs over torch's fused RMSNorm kernel, no compile), compiled.
 """
 
 import json
@@ -34,9 +35,9 @@ from qwen3_scratch.generation.stats import bytes_per_decode_step, measure_bandwi
 
 PROMPT_LEN = 16
 SCHEMES = {"bfloat16": (None, None), "int8": ("int8", None), "int8pack": ("int8", "int8pack"), "int4": ("int4", None)}
-# generate_tokens' arguments for each mode ("graphs-norms" also compiles the norms: norms_for)
+# generate_tokens' arguments for each mode ("graphs-norms" and "graphs-fused" also swap the norms: norms_for)
 MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}, "graphs-norms": {"cuda_graphs": True},
-         "compiled": {"compile": True}}  # fmt: skip
+         "graphs-fused": {"cuda_graphs": True}, "compiled": {"compile": True}}  # fmt: skip
 
 
 def progress(message: str) -> None:
@@ -65,20 +66,22 @@ def prompt_ids(vocab_size: int) -> list[int]:
 
 @contextmanager
 def norms_for(model, mode: str):
-    """Mode "graphs-norms": the graph runner over RMSNorms compiled to one kernel each (kernels/norms.py),
-    the eager norms back afterwards; the graphs captured over either are dropped on the way in and out."""
-    if mode != "graphs-norms":
+    """Modes "graphs-norms" and "graphs-fused": the graph runner over RMSNorms compiled to one kernel each, or
+    over torch's fused RMSNorm kernel (kernels/norms.py), the eager norms back afterwards; the graphs captured
+    over either are dropped on the way in and out."""
+    if mode not in ("graphs-norms", "graphs-fused"):
         yield
         return
     from qwen3_scratch.generation.cuda_graph import forget_graphs
-    from qwen3_scratch.kernels.norms import compile_norms, uncompile_norms
+    from qwen3_scratch.kernels import norms
 
-    compile_norms(model)
+    swap, undo = (norms.compile_norms, norms.uncompile_norms) if mode == "graphs-norms" else (norms.fuse_norms, norms.unfuse_norms)
+    swap(model)
     forget_graphs(model)
     try:
         yield
     finally:
-        uncompile_norms(model)
+        undo(model)
         forget_graphs(model)
 
 
@@ -114,8 +117,14 @@ def decode_worker(args, out: Path) -> None:
     from qwen3_scratch.generation.cuda_graph import forget_graphs
     from qwen3_scratch.kernels.quantize import use_int8_route
 
+    from qwen3_scratch.kernels.norms import norm_mismatch
+
     record = {"size": args.size, "results": {}}
     record["bandwidth_gb_s"] = measure_bandwidth(args.device) / 1e9
+    if any("-norms" in v or "-fused" in v for v in args.variants.split(",")):  # how often each norm route differs
+        record_result(record, out, "norm mismatch", lambda: {f"{route} {dtype} width {dim}": share
+                      for dtype in (torch.bfloat16, torch.float32) for dim in (128, 1024, 4096)
+                      for route, share in norm_mismatch(dim, args.device, dtype).items()})  # fmt: skip
     model, loaded = None, "nothing yet"
     for variant in args.variants.split(","):
         weights, mode = variant.split("/")
