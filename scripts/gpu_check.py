@@ -14,13 +14,14 @@ included), a failure recorded and the next step run:
                     over the pool in place, compiled per decode bucket, CUDA graphs), and the GPU's busy fraction
                     over a window of its steps (torch.profiler): scripts/bench/nano_vllm_workload.py
   engine paged      the same by the gathered route, eager (the fallback)
-  int4 <largest>    int4 (tinygemm) compiled, then under graphs (the default command)
-  decode <size>     ours, bf16, batch 1: the default command (CUDA graphs), graphs over compiled RMSNorms
-                    (kernels/norms.py) and --compile; the first size also --no-cuda-graphs (eager), the
-                    baseline the graphs are measured against
-  int8 <largest>    int8 by both routes (gpt-fast's fused cast; torch's int8pack kernel) under graphs, then compiled
+  int4 <largest>    int4 (tinygemm) compiled, then under graphs (the default command), and graphs over plain layers
+  decode <size>     ours, bf16, batch 1 (--ours): the default command (CUDA graphs over the layers' compiled
+                    glue, kernels/gpu_decode.py), graphs over the plain layers, and --compile; the first size
+                    also --no-cuda-graphs (eager), the baseline the graphs are measured against
+  int8 <largest>    int8 under graphs by each route (the default one-row kernels; gpt-fast's fused cast eagerly;
+                    torch's int8pack kernel), then compiled
   profile ...       one decode step's kernels (torch.profiler): how many, their GPU time against the step's wall
-                    time, the costliest; bf16 on the first size (graphs, graphs-norms, eager, compiled), int8 and int4 on
+                    time, the costliest; bf16 on the first size (graphs, graphs-plain, eager, compiled), int8 and int4 on
                     the largest
   transformers <s>  transformers' generate, eager and with a fixed-length StaticCache (compiled by it)
   load benchmark    loading the first size's checkpoint onto the GPU
@@ -57,7 +58,7 @@ STEPS = {"engine flex": 150, "engine paged": 110, "int4": 150, "decode": 130, "d
          "profile bf16": 120, "profile quantized": 90, "transformers": 90, "transformers 8B": 150,
          "load benchmark": 60, "cuda tests": 240}  # fmt: skip
 SMOKE_LIMIT = 60  # each step of --smoke, on a CPU
-QUANTIZED = "int4/compiled,int4/graphs,int8/graphs,int8pack/graphs,int8/compiled"
+QUANTIZED = "int4/compiled,int4/graphs,int4/graphs-plain,int8/graphs,int8cast/graphs,int8pack/graphs,int8/compiled"
 
 
 def plan(args) -> list[tuple[str, list[str] | None, str]]:
@@ -72,9 +73,9 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
     steps = [(f"engine {route}", work("workload", engine, route), "") for route in ("flex", "paged")]
     steps.append((f"int4 {largest}", work("decode", largest, quantized["int4"]), ""))
     for i, size in enumerate(sizes):
-        steps.append((f"decode {size}", work("decode", size, ("bfloat16/eager," if i == 0 else "") + OURS), ""))
+        steps.append((f"decode {size}", work("decode", size, ("bfloat16/eager," if i == 0 else "") + args.ours), ""))
     steps.append((f"int8 {largest}", work("decode", largest, quantized["int8"]), ""))
-    steps.append((f"profile bf16 {sizes[0]}", work("profile", sizes[0], PROFILED_BF16), ""))
+    steps.append((f"profile bf16 {sizes[0]}", work("profile", sizes[0], args.profiled), ""))
     steps.append((f"profile quantized {largest}", work("profile", largest, PROFILED_QUANTIZED), ""))
     steps += [(f"transformers {size}", work("transformers", size, "eager,static-compile"), "") for size in sizes]
     load = [py, str(HERE / "bench" / "benchmark_load.py"), "--device", args.device, "--repeats", "1" if args.smoke
@@ -89,9 +90,9 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
             or command[command.index("--variants") + 1]]  # a step left with no variants (--quantized) is dropped
 
 
-OURS = "bfloat16/graphs,bfloat16/graphs-fused,bfloat16/graphs-norms,bfloat16/compiled"
-PROFILED_BF16 = "bfloat16/graphs,bfloat16/graphs-fused,bfloat16/graphs-norms,bfloat16/eager,bfloat16/compiled"
-PROFILED_QUANTIZED = "int8/graphs,int4/graphs"
+OURS = "bfloat16/graphs,bfloat16/graphs-plain,bfloat16/compiled"
+PROFILED_BF16 = "bfloat16/graphs,bfloat16/graphs-plain,bfloat16/eager,bfloat16/compiled"
+PROFILED_QUANTIZED = "int8/graphs,int4/graphs,int4/graphs-plain"
 
 
 def step_limit(name: str) -> float:
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--weights", type=Path, default=ROOT / "weights", help="where the random checkpoints go")
     p.add_argument("--deadline", type=float, default=470, help="seconds after which no step starts or runs on")
+    p.add_argument("--profiled", default=PROFILED_BF16, help="the bf16 profile's variants (default %(default)s)")
+    p.add_argument("--ours", default=OURS, help="the decode steps' bf16 variants (default %(default)s)")
     p.add_argument("--quantized", default=QUANTIZED, help="the int4 and int8 steps' variants (default %(default)s)")
     p.add_argument("--steps", help="run only these steps (names as in gpu_check.md, comma-separated)")
     args = p.parse_args(argv)

@@ -60,7 +60,7 @@ def test_smoke_decodes_eager_and_through_the_graph_runner_and_skips_compile(smok
     for variant in ("bfloat16/eager", "bfloat16/graphs"):
         assert results[variant]["decode_tok_s"] > 0 and len(results[variant]["tokens"]) == 4, results[variant]
     assert results["bfloat16/graphs"]["tokens"] == results["bfloat16/eager"]["tokens"], "graphs changed the tokens"
-    assert results["bfloat16/graphs-norms"]["tokens"] == results["bfloat16/eager"]["tokens"], "compiled norms did"
+    assert results["bfloat16/graphs-plain"]["tokens"] == results["bfloat16/eager"]["tokens"], "the plain layers did"
     assert results["bfloat16/compiled"] == {"skipped": "--compile is for CUDA"}
     assert "| tiny | bfloat16/graphs |" in markdown and "| tiny | bfloat16/compiled | --compile is for CUDA" in markdown
 
@@ -68,7 +68,7 @@ def test_smoke_decodes_eager_and_through_the_graph_runner_and_skips_compile(smok
 def test_smoke_measures_int4_first_then_int8_by_both_routes(smoke):
     report, _ = smoke
     int4, int8 = report["steps"]["int4 tiny"]["results"], report["steps"]["int8 tiny"]["results"]
-    assert list(int4) == ["int4/compiled", "int4/graphs"], "int4 compiled was the figure the last run missed"
+    assert list(int4) == ["int4/compiled", "int4/graphs", "int4/graphs-plain"], "int4 compiled was the figure the last run missed"
     for variant in ("int4/graphs", "int8/graphs", "int8pack/graphs"):
         result = {**int4, **int8}[variant]
         assert result["decode_tok_s"] > 0 and result["bytes_per_step"] > 0, result
@@ -80,8 +80,8 @@ def test_smoke_profiles_a_decode_step_kernel_by_kernel(smoke):
     steps = report["steps"]
     profiles = {**steps["profile bf16 tiny"]["results"], **steps["profile quantized tiny"]["results"]}
     assert profiles.pop("profile bfloat16/compiled") == {"skipped": "--compile is for CUDA"}
-    assert set(profiles) == {"profile bfloat16/graphs", "profile bfloat16/graphs-norms", "profile bfloat16/eager",
-                             "profile int8/graphs", "profile int4/graphs"}, profiles  # fmt: skip
+    assert set(profiles) == {"profile bfloat16/graphs", "profile bfloat16/graphs-plain", "profile bfloat16/eager",
+                             "profile int8/graphs", "profile int4/graphs", "profile int4/graphs-plain"}, profiles  # fmt: skip
     for key, r in profiles.items():
         assert r["kernels_per_step"] > 20 and r["kernel_us_per_step"] > 0 and r["wall_us_per_step"] > 0, (key, r)
         assert 0 < len(r["top"]) <= 14 and r["top"][0]["us_per_step"] >= r["top"][-1]["us_per_step"], (key, r)
@@ -115,7 +115,7 @@ def test_a_failing_step_is_recorded_and_the_next_one_runs(failing):
     assert list(report["steps"]) == ["decode tiny", "decode 9B"], "--steps picks the steps to run"
     failed = report["steps"]["decode 9B"]
     assert failed["returncode"] not in (0, None) and "unknown Qwen3 size '9B'" in failed["output_tail"]
-    assert "| decode 9B | 110 | FAILED (exit 1)" in markdown
+    assert "| decode 9B | 130 | FAILED (exit 1)" in markdown
     assert report["steps"]["decode tiny"]["results"]["bfloat16/graphs"]["decode_tok_s"] > 0
 
 

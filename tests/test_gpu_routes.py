@@ -11,6 +11,7 @@ from torch import nn
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch.generation.loops import generate_tokens
+from qwen3_scratch.kernels import gpu_decode
 from qwen3_scratch.kernels.quantize import Int8Linear, quantize_rows, use_int8_route
 from qwen3_scratch.sampling.logits import LogitsFilter
 
@@ -37,7 +38,7 @@ def greedy(model, ids, n=16, **kwargs):
     return torch.stack(list(generate_tokens(model, [ids], n, GREEDY, ignore_eos=True, **kwargs))).tolist()
 
 
-@pytest.mark.parametrize("route", ["fused-cast", "int8pack"])
+@pytest.mark.parametrize("route", ["fused-cast", "int8pack", "row-kernel"])
 def test_each_int8_route_equals_the_dequantized_reference(checkpoint, route):
     """fp32 logits to the suite's 1e-5 bar in a prompt, and the same greedy tokens through the graph runner."""
     model = load_model(checkpoint, dtype=torch.float32, quantize="int8", optimize="decode")
@@ -60,9 +61,24 @@ def test_fused_cast_in_fp32_gives_the_bf16_products_bits():
     assert torch.equal(layer(x), gpt_fast), "the fp32 multiply changed the bf16 result"
 
 
+def test_the_row_kernel_runs_one_row_compiled_and_several_by_the_fused_cast():
+    """A one-row product is one compiled kernel (the cast inside its reduction): in fp32 it is the fused cast's
+    product within summation order, and the rows of a prefill run the fused cast itself, bit for bit."""
+    layer = Int8Linear(nn.Linear(256, 96, bias=False), torch.float32)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    use_int8_route(layer, "fused-cast")
+    fused_rows, fused_row = layer(x), layer(x[:1, None])
+    use_int8_route(layer, "row-kernel")
+    assert torch.equal(layer(x), fused_rows), "several rows: the fused-cast expression"
+    one = layer(x[:1, None])
+    assert one.shape == (1, 1, 96)
+    torch.testing.assert_close(one, fused_row, rtol=1e-5, atol=1e-5)
+    assert any(key[0] == "int8_row" for key in gpu_decode._KERNELS), "the one row ran the compiled kernel"
+
+
 def test_an_unknown_int8_route_is_refused_naming_the_choices(checkpoint):
     model = load_model(checkpoint, quantize="int8")
-    with pytest.raises(CheckpointError, match="int8 route 'fast' is not one of cpu, fused-cast, int8pack"):
+    with pytest.raises(CheckpointError, match="int8 route 'fast' is not one of cpu, fused-cast, int8pack, row-kernel"):
         use_int8_route(model, "fast")
 
 

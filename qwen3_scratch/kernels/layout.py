@@ -13,7 +13,9 @@ nothing touches the checkpoint's keys: every transform swaps modules in memory, 
   "batch"   several rows per step (the engine, serving): q/k/v and gate/up fused into one matrix each
             and every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has
             many rows.
-Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch".
+Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch"; on a GPU "decode" then
+also runs the ops between the products as four compiled kernels a layer (gpu_decode.py), which is what a
+decode step replayed from a CUDA graph is made of.
 `quantize="int8"` stores every matrix as int8 with per-row scales (quantize.py), `quantize="int4"` as int4
 with a scale and zero point per group of `group_size` weights (int4.py), in either layout.
 """
@@ -23,9 +25,10 @@ from qwen3_scratch.model.qwen3 import Qwen3
 from .cpu_decode import use_cpu_decoder_layers
 from .fewrow import use_fewrow
 from .fuse import fuse_projections, prepack_for_cpu
+from .gpu_decode import use_gpu_decoder_layers
 from .int4 import DEFAULT_GROUP_SIZE, GROUP_SIZES
 from .matvec import can_use_matvec, use_matvec
-from .quantize import SCHEMES, quantize_model
+from .quantize import SCHEMES, quantize_model, use_int8_route
 
 LAYOUTS = (None, "decode", "batch")
 __all__ = ["DEFAULT_GROUP_SIZE", "GROUP_SIZES", "LAYOUTS", "SCHEMES", "optimize_layout"]
@@ -47,4 +50,10 @@ def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None,
             prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
     if cpu_decode:
         use_cpu_decoder_layers(model)  # and the ops between the products, a few compiled kernels a layer
+    elif optimize == "decode" and model.device.type == "cuda":
+        if quantize == "int8":  # each one-row int8 product one compiled kernel, the cast inside it
+            use_int8_route(model, "row-kernel")
+        # the same on a GPU, around cuBLAS's products; where inductor cannot build kernels, all as it was
+        if not use_gpu_decoder_layers(model) and quantize == "int8":
+            use_int8_route(model, "fused-cast")
     return model

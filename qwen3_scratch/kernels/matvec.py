@@ -104,7 +104,7 @@ def jit_kernel(fn, args, constants: dict):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     # contiguous, like every call's; never written, so the lm_head's 311 MB are never touched
-    examples = [torch.empty(a.shape, dtype=a.dtype) for a in args]
+    examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device) for a in args]
     # traced on fake tensors: a real trace would compute W.float() * x, (N, K) floats
     graph = make_fx(lambda *tensors: fn(*tensors, **constants), tracing_mode="fake")(*examples)
     with cacheable():

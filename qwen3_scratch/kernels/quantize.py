@@ -47,8 +47,22 @@ def quantize_rows(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[tor
 #   "fused-cast"  gpt-fast's expression, F.linear(x, q.to(bf16)) * scales: under torch.compile (with
 #                 coordinate-descent tuning, generation/compile_cache.py) the cast fuses into the product's
 #                 reduction, so each weight is read as one byte; eagerly it is a bf16 copy of q, then cuBLAS;
-#   "int8pack"    torch._weight_int8pack_mm, torch's own int8 kernel on the device (recent torch has a CUDA one).
-ROUTES = ("cpu", "fused-cast", "int8pack")
+#   "int8pack"    torch._weight_int8pack_mm, torch's own int8 kernel on the device (recent torch has a CUDA one);
+#   "row-kernel"  a GPU's batch-1 decode (the "decode" layout there, gpu_decode.py): one row through a kernel
+#                 inductor builds for the product alone (`int8_row`: the cast inside the reduction, each
+#                 weight read as one byte), without compiling the model; other shapes as "fused-cast".
+#                 Replayed from a CUDA graph, the eager "fused-cast" was a bf16 copy of every matrix a step
+#                 (581 copies, 21 of 28 ms at 8B on an H200).
+ROUTES = ("cpu", "fused-cast", "int8pack", "row-kernel")
+
+
+def int8_row(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (1, K) times int8 weight (N, K) transposed, times the row scales (N,) -> (N,) in x's dtype: summed in
+    fp32, then scaled in fp32 and rounded once (a half-precision product also sums in fp32 and rounds once)."""
+    return ((weight.float() * x.float()).sum(-1) * scales.float()).to(x.dtype)
+
+
+int8_row.inductor_config = {"coordinate_descent_tuning": True}  # the reduction's block sizes tuned at its build
 
 
 class Int8Linear(nn.Module):
@@ -70,7 +84,13 @@ class Int8Linear(nn.Module):
             self.kernel = kernel(matvec_int8, torch.empty(1, self.in_features), q, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.route == "fused-cast":
+        if self.route == "row-kernel" and x.numel() == self.in_features and not torch.compiler.is_compiling():
+            from .gpu_decode import glue_kernel  # (gpu_decode imports nothing of this file's)
+
+            row = x.reshape(1, self.in_features).contiguous()
+            y = glue_kernel(int8_row, row, self.weight, self.scales)(row, self.weight, self.scales)
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif self.route in ("fused-cast", "row-kernel"):  # (row-kernel: more than one row)
             # Why 14 tok/s at 8B on an H100 (10x slower than bf16) with `F.linear(...) * self.scales`:
             # inductor's post-grad pass (torch/_inductor/fx_passes/quantization.py, the "woq" patterns, which
             # accept CUDA in recent torch) rewrites exactly that expression, with bf16 scales, into

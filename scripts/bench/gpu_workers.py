@@ -12,9 +12,11 @@ limit). Each worker writes its JSON record after every measurement, so a step cu
                   wall time, the costliest (what to fuse next)
 
 Variants of `decode` are "<weights>/<mode>": weights bfloat16, int8 (the device's default int8 route:
-gpt-fast's fused cast on a GPU), int8pack (torch._weight_int8pack_mm) or int4 (tinygemm on a GPU); modes
-eager, graphs, graphs-norms (graphs over RMSNorms compiled to one kernel each, kernels/norms.py), graphs-fused
-(graphs over torch's fused RMSNorm kernel, no compile), compiled.
+one compiled kernel a one-row product on a GPU, kernels/quantize.py's "row-kernel"), int8cast (gpt-fast's
+F.linear over the cast weight, "fused-cast"), int8pack (torch._weight_int8pack_mm) or int4 (tinygemm on a GPU); modes
+eager, graphs (the default: CUDA graphs over the layers' compiled glue, kernels/gpu_decode.py), graphs-plain
+(graphs over the plain layers, op by op), graphs-norms (graphs over the plain layers with RMSNorms compiled to
+one kernel each, kernels/norms.py), graphs-fused (the plain layers with torch's fused RMSNorm kernel), compiled.
 """
 
 import json
@@ -34,10 +36,13 @@ for folder in (HERE.parent.parent, HERE.parent, HERE.parent / "checkpoints", HER
 from qwen3_scratch.generation.stats import bytes_per_decode_step, measure_bandwidth, synchronize  # noqa: E402
 
 PROMPT_LEN = 16
-SCHEMES = {"bfloat16": (None, None), "int8": ("int8", None), "int8pack": ("int8", "int8pack"), "int4": ("int4", None)}
-# generate_tokens' arguments for each mode ("graphs-norms" and "graphs-fused" also swap the norms: norms_for)
+SCHEMES = {"bfloat16": (None, None), "int8": ("int8", None), "int8cast": ("int8", "fused-cast"),
+           "int8pack": ("int8", "int8pack"), "int4": ("int4", None)}  # (quantize, int8 route; None: as loaded)
+DEFAULT_INT8 = ("row-kernel", "cpu")  # what the "decode" layout picks on a GPU, on a CPU
+# generate_tokens' arguments for each mode (the graphs-* modes also swap the layers or norms: norms_for)
 MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}, "graphs-norms": {"cuda_graphs": True},
-         "graphs-fused": {"cuda_graphs": True}, "compiled": {"compile": True}}  # fmt: skip
+         "graphs-fused": {"cuda_graphs": True}, "graphs-plain": {"cuda_graphs": True},
+         "compiled": {"compile": True}}  # fmt: skip
 
 
 def progress(message: str) -> None:
@@ -66,22 +71,30 @@ def prompt_ids(vocab_size: int) -> list[int]:
 
 @contextmanager
 def norms_for(model, mode: str):
-    """Modes "graphs-norms" and "graphs-fused": the graph runner over RMSNorms compiled to one kernel each, or
-    over torch's fused RMSNorm kernel (kernels/norms.py), the eager norms back afterwards; the graphs captured
-    over either are dropped on the way in and out."""
-    if mode not in ("graphs-norms", "graphs-fused"):
+    """The graphs-* modes but "graphs": the plain layers in place of the compiled glue (gpu_decode.py), and for
+    "graphs-norms" and "graphs-fused" their RMSNorms compiled to one kernel each or on torch's fused kernel
+    (kernels/norms.py); all as loaded afterwards. Graphs captured over either are dropped on the way in and out."""
+    if mode not in ("graphs-plain", "graphs-norms", "graphs-fused"):
         yield
         return
     from qwen3_scratch.generation.cuda_graph import forget_graphs
     from qwen3_scratch.kernels import norms
+    from qwen3_scratch.kernels.gpu_decode import GPUDecoderLayer
+    from qwen3_scratch.model.qwen3 import DecoderLayer
 
-    swap, undo = (norms.compile_norms, norms.uncompile_norms) if mode == "graphs-norms" else (norms.fuse_norms, norms.unfuse_norms)
+    glued = [layer for layer in model.model.layers if type(layer) is GPUDecoderLayer]
+    for layer in glued:
+        layer.__class__ = DecoderLayer
+    swap, undo = {"graphs-norms": (norms.compile_norms, norms.uncompile_norms),
+                  "graphs-fused": (norms.fuse_norms, norms.unfuse_norms)}.get(mode, (id, id))  # fmt: skip
     swap(model)
     forget_graphs(model)
     try:
         yield
     finally:
         undo(model)
+        for layer in glued:
+            layer.__class__ = GPUDecoderLayer
         forget_graphs(model)
 
 
@@ -140,7 +153,7 @@ def decode_worker(args, out: Path) -> None:
             model, record["checkpoint_s"] = load_or_draw(args.size, args.device, args.weights, quantize)
             loaded = quantize
             progress(f"loaded {args.size} ({quantize or 'bf16'}) in {time.perf_counter() - start:.1f} s")
-        use_int8_route(model, route or ("fused-cast" if args.device == "cuda" else "cpu"))
+        use_int8_route(model, route or DEFAULT_INT8[args.device != "cuda"])
         forget_graphs(model)  # a graph captured over the other route's kernels would replay them
         step_bytes = bytes_per_decode_step(model, model.config, PROMPT_LEN + args.new_tokens // 2, 1)
 
@@ -214,7 +227,7 @@ def profile_worker(args, out: Path) -> None:
             record["results"][f"profile {variant}"] = {"skipped": "--compile is for CUDA"}
             out.write_text(json.dumps(record))
             continue
-        use_int8_route(model, route or ("fused-cast" if args.device == "cuda" else "cpu"))
+        use_int8_route(model, route or DEFAULT_INT8[args.device != "cuda"])
         forget_graphs(model)
         def measure(mode=mode, model=model):
             with norms_for(model, mode):

@@ -1,0 +1,136 @@
+"""A decoder layer's decode step on a GPU: the ops between the products as four kernels, not ~50.
+
+Replayed from a CUDA graph, a decode step costs what its kernels cost, and at the 0.6B shapes there were 1,636
+of them, ~2 us each (an H200's profile, docs/performance.md): 58 a layer, of which the products are four. The
+rest is glue on a few thousand numbers: each RMSNorm is 8 eager kernels (cast, square, mean, add, rsqrt,
+multiply, cast back, weight), RoPE 5 for q and 5 for k, SwiGLU 2, the residual adds 2. Here inductor
+compiles that glue into four kernels a layer around the products, which stay cuBLAS's (or the int8/int4
+modules'), and the attention, which stays the model's own:
+
+    norm -> [q/k/v product] -> q/k norm + RoPE -> attention -> [o product] -> residual + norm
+    -> [gate/up product] -> SwiGLU -> [down product] -> + residual
+
+Each kernel is built once per shape at its first use (make_fx on fake tensors, then inductor: Triton on a
+GPU, C++ on a CPU), with no guards: a graph replays it anyway. A layout step (kernels/layout.py, "decode" on a
+GPU) swaps each plain DecoderLayer's class for GPUDecoderLayer and builds the batch-1 kernels at load, on
+one layer; every layer then shares them, as their shapes are the same.
+
+The maths is the model's, in its order and with eager's roundings to bf16 (emulate_precision_casts): the
+q/k norm + RoPE kernel, SwiGLU and the adds are bit for bit the eager ops; a norm's sum of squares is
+inductor's own order, so its fp32 result may differ in the last bit, and a bf16 element then rounds the
+other way about once in 10^5-10^6 (the H100 measured none in 16,000 rows of 1024: gpu_check's "norm
+mismatch"). Greedy tokens equal the plain layers' (tests/test_gpu_decode.py, on a CPU, where the same
+kernels compile to C++).
+
+Only one token a row (T == 1, any batch) runs this way: a prefill is one forward whose launches do not
+matter. torch.compile (`--compile`) traces the plain layer, as does anything off the device it was set up for.
+"""
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from qwen3_scratch.model.kv_cache import KVCache, attention_mask
+from qwen3_scratch.model.qwen3 import MLP, Attention, DecoderLayer, Qwen3, rms_norm
+from qwen3_scratch.model.rope import apply_rope
+
+from .matvec import jit_kernel
+
+log = logging.getLogger("qwen3_scratch.kernels")
+
+_KERNELS: dict[tuple, object] = {}  # (function, device, shapes and dtypes, constants) -> compiled callable
+
+
+def glue_kernel(fn, *args: torch.Tensor, **constants):
+    """fn(*args, **constants) compiled for these exact shapes, dtypes and device; built at its first use."""
+    key = (fn.__qualname__, args[0].device, *((tuple(a.shape), a.dtype) for a in args), *sorted(constants.items()))
+    compiled = _KERNELS.get(key)
+    if compiled is None:
+        compiled = _KERNELS[key] = jit_kernel(fn, args, constants)
+    return compiled
+
+
+# ---- the four kernels (x, y: (B, 1, C) rows; the products' outputs as they come, contiguous) --------------
+
+
+def norm(x, weight, *, eps: float):
+    return rms_norm(x, weight, eps)
+
+
+def heads(qkv, q_weight, k_weight, cos, sin, *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+    """Attention.forward between its projections and its attention: qkv (B, 1, (H + 2K) * D), the q, k and v
+    products side by side (one fused product, or the three concatenated) -> q (B, H, 1, D), k, v (B, K, 1, D)."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = rms_norm(q.reshape(B, T, n_heads, head_dim), q_weight, eps).transpose(1, 2)
+    k = rms_norm(k.reshape(B, T, n_kv_heads, head_dim), k_weight, eps).transpose(1, 2)
+    v = v.reshape(B, T, n_kv_heads, head_dim).transpose(1, 2)
+    return apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin).contiguous(), v.contiguous()
+
+
+def residual_norm(x, y, weight, *, eps: float):
+    """The residual add and the next norm: x + y, and rms_norm(x + y)."""
+    x = x + y
+    return x, rms_norm(x, weight, eps)
+
+
+def swiglu(gate_up):
+    """gate_up (B, 1, 2F): the gate and up products side by side -> silu(gate) * up (B, 1, F)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class GPUDecoderLayer(DecoderLayer):
+    """DecoderLayer whose one-token steps run the glue as four compiled kernels (the class swapped in at load)."""
+
+    def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
+        if x.shape[1] != 1 or x.device != self.glue_device or torch.compiler.is_compiling():
+            return super().forward(x, cos, sin, mask, cache, cache_slots)
+        attn, mlp, eps = self.self_attn, self.mlp, self.input_layernorm.eps
+        h = self.run(norm, x, self.input_layernorm.weight, eps=eps)
+        qkv = attn.qkv_proj(h) if hasattr(attn, "qkv_proj") else torch.cat(attn.project_qkv(h), dim=-1)
+        shape = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, eps=eps)
+        q, k, v = self.run(heads, qkv, attn.q_norm.weight, attn.k_norm.weight, cos, sin, **shape)
+        y = attn.o_proj(attn.attend(q, k, v, mask, cache, cache_slots))  # (B, 1, C)
+        x, h = self.run(residual_norm, x, y, self.post_attention_layernorm.weight, eps=eps)
+        if not isinstance(mlp, MLP):  # a mixture of experts keeps its own forward (model/moe.py)
+            return x + mlp(h)
+        if hasattr(mlp, "gate_up_proj"):
+            gate_up = mlp.gate_up_proj(h)
+        else:
+            gate_up = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
+        return x + mlp.down_proj(self.run(swiglu, gate_up))
+
+    def run(self, fn, *args, **constants):
+        args = [a.contiguous() for a in args]
+        return glue_kernel(fn, *args, **constants)(*args)
+
+
+@torch.no_grad()
+def use_gpu_decoder_layers(model: Qwen3) -> bool:
+    """Give every plain dense or MoE layer the compiled-glue decode step on the model's device, and build its
+    batch-1 kernels now, on one layer and one token. False (the layers left plain, a warning logged) if
+    inductor cannot build them here (no Triton, no compiler): the model then runs as it was."""
+    layers = [layer for layer in model.model.layers if type(layer) is DecoderLayer and type(layer.self_attn) is Attention]
+    if not layers:
+        return False
+    for layer in layers:
+        layer.__class__ = GPUDecoderLayer
+        layer.glue_device = model.device
+    try:
+        C, dtype, device = model.config.hidden_size, model.activation_dtype, model.device
+        cache = KVCache(model.config, 1, 1, device, dtype)  # one slot, thrown away
+        slot = torch.zeros(1, dtype=torch.long, device=device)
+        if model.rope_cos.numel() == 0:
+            model.build_rope_tables(device, dtype)
+        cos, sin = model.rope_cos[slot][None], model.rope_sin[slot][None]  # (1, 1, D): position 0
+        layers[0](torch.zeros(1, 1, C, dtype=dtype, device=device), cos, sin, attention_mask(slot, cache.key_valid),
+                  cache, slot)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - any compiler failure: the plain layers still run
+        for layer in layers:
+            layer.__class__ = DecoderLayer
+            del layer.glue_device
+        log.warning("decode runs without compiled glue kernels (%s: %s)", type(e).__name__, str(e)[:200])
+        return False
+    return True
