@@ -157,3 +157,16 @@ def test_cuda_int8_decode_layout_runs_one_row_kernels_with_the_fused_casts_token
 
     forget_graphs(model)
     assert [greedy(model, [p])[0] for p in PROMPTS] == glued
+
+
+def test_row_kernel_products_keep_the_tokens_and_run_one_rows_only(checkpoint):
+    from qwen3_scratch.kernels.gpu_decode import RowKernelLinear, use_row_kernels
+
+    model = load_model(checkpoint, dtype="float32")
+    expected, logits = [greedy(model, [p])[0] for p in PROMPTS], step_logits(model, [PROMPTS[0]])
+    n = use_row_kernels(model)
+    assert n == 7 * model.config.num_hidden_layers + 1, "q, k, v, o, gate, up, down a layer, and the lm_head"
+    torch.testing.assert_close(step_logits(model, [PROMPTS[0]]), logits, rtol=1e-5, atol=1e-5)
+    assert [greedy(model, [p])[0] for p in PROMPTS] == expected
+    assert use_row_kernels(model, on=False) == n
+    assert not any(isinstance(m, RowKernelLinear) for m in model.modules())

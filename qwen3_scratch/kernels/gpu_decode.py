@@ -107,6 +107,37 @@ class GPUDecoderLayer(DecoderLayer):
         return glue_kernel(fn, *args, **constants)(*args)
 
 
+def float_row(x, weight):
+    """x (1, K) times weight (N, K) transposed -> (N,) in x's dtype, summed in fp32 (as cuBLAS's half-precision
+    products are; in inductor's order, not cuBLAS's, so the last bit can differ)."""
+    return (weight.float() * x.float()).sum(-1).to(x.dtype)
+
+
+float_row.inductor_config = {"coordinate_descent_tuning": True}  # the reduction's block sizes tuned at its build
+
+
+class RowKernelLinear(torch.nn.Linear):
+    """nn.Linear whose one-row products are one kernel inductor builds for the product alone (an experiment
+    beside cuBLAS's: its small one-row products read the 0.6B shapes' matrices at about half the bandwidth,
+    docs/performance.md). Any other input runs F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != self.in_features or torch.compiler.is_compiling():
+            return super().forward(x)
+        row = x.reshape(1, self.in_features).contiguous()
+        y = glue_kernel(float_row, row, self.weight)(row, self.weight).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def use_row_kernels(model: Qwen3, on: bool = True) -> int:
+    """Swap every plain nn.Linear of model for RowKernelLinear (on=False: back); returns how many."""
+    old, new = (torch.nn.Linear, RowKernelLinear) if on else (RowKernelLinear, torch.nn.Linear)
+    linears = [m for m in model.modules() if type(m) is old]
+    for m in linears:
+        m.__class__ = new
+    return len(linears)
+
+
 @torch.no_grad()
 def use_gpu_decoder_layers(model: Qwen3) -> bool:
     """Give every plain dense or MoE layer the compiled-glue decode step on the model's device, and build its

@@ -52,13 +52,50 @@ def pool_blocks(model, requests, block_size, max_num_seqs) -> int:
     return sum(-(-(len(ids) + n) // block_size) for ids, n in requests) + 8
 
 
-def generate(engine, requests, temperature) -> int:
+def generate(engine, requests, temperature, split: dict | None = None) -> int:
+    """Run requests to the end; the output tokens. split: filled with steps and seconds by kind ("replayed":
+    a decode step from its bucket's CUDA graph; "eager": any other, a prefill among them)."""
     for i, (ids, n) in enumerate(requests):
         engine.add_request(str(i), ids, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i))
     produced = 0
+    graphs = engine.runner.graphs
     while engine.has_unfinished():
+        before, start = (graphs.replays if graphs is not None else 0), time.perf_counter()
         produced += sum(len(out.new_token_ids) for out in engine.step())
+        if split is not None:
+            kind = "replayed" if graphs is not None and graphs.replays > before else "eager"
+            steps, seconds = split.get(kind, (0, 0.0))
+            split[kind] = (steps + 1, seconds + time.perf_counter() - start)
     return produced
+
+
+def host_profile(engine, requests, temperature, steps: int, top: int = 14) -> list[dict]:
+    """cProfile over `steps` decode steps of `requests` (after their prefills): the host functions that take
+    the longest (own time), which is where a host-bound step's time goes. The profiler slows Python itself,
+    so the shares count, not the totals."""
+    import cProfile
+    import pstats
+
+    for i, (ids, n) in enumerate(requests):
+        engine.add_request(f"host{i}", ids, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                                                           seed=i))  # fmt: skip
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(seq.num_computed < seq.num_prompt_tokens for seq in scheduler.running):
+        engine.step()  # the prefills, unprofiled
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        if engine.has_unfinished():
+            engine.step()
+    profiler.disable()
+    for i in range(len(requests)):
+        engine.abort(f"host{i}")
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own, cumulative, ...)}
+    total = sum(v[2] for v in stats.values())
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line} {name}", "calls_per_step": round(v[0] / steps, 1),
+             "own_ms_per_step": round(v[2] / steps * 1e3, 3), "share": round(v[2] / total, 3)}
+            for (f, line, name), v in rows]  # fmt: skip
 
 
 def union_seconds(intervals_us: list[tuple[float, float]]) -> float:
@@ -97,10 +134,11 @@ def busy_window(engine, requests, temperature, steps: int) -> dict:
 
 def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=0, dtype=None, temperature=0.6,
         max_num_seqs=None, max_num_batched_tokens=None, block_size=16, profile_busy=True, route=None,
-        busy_steps=24) -> dict:  # fmt: skip
+        busy_steps=24, host_steps=0) -> dict:  # fmt: skip
     """The workload once to warm up (a few requests, and every decode bucket's graph up to the request count),
     then timed. A dict of the figures. route: the engine's attention route (model_runner.py; default the
-    engine's own choice); on a GPU, then `busy_steps` steps under the profiler (busy_window)."""
+    engine's own choice); on a GPU, then `busy_steps` steps under the profiler (busy_window); `host_steps`
+    decode steps under cProfile (host_profile)."""
     cuda = torch.device(device).type == "cuda"
     if isinstance(model_path_or_model, (str, Path)):
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -125,14 +163,18 @@ def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=
               "prompt_tokens": sum(len(ids) for ids, _ in requests), "blocks": engine.blocks.num_blocks}  # fmt: skip
     if cuda:
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    produced = generate(engine, requests, temperature)
+    start, split = time.perf_counter(), {}
+    produced = generate(engine, requests, temperature, split)
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     runner = engine.runner
     result.update(output_tokens=produced, seconds=wall, output_tok_s=produced / wall, forwards=runner.num_forwards,
                   preemptions=engine.num_preemptions, route=runner.route, fallback=runner.fallback)  # fmt: skip
+    for kind, (steps, seconds) in split.items():  # where the wall time went, by kind of step
+        result[f"{kind}_steps"], result[f"{kind}_ms_per_step"] = steps, seconds / steps * 1e3
+    if host_steps:
+        result["host_profile"] = host_profile(engine, requests[: max(1, len(requests) // 2)], temperature, host_steps)
     if cuda and profile_busy:  # a second, profiled window: the profiler's own cost stays out of the tok/s
         print(f"    workload: {produced / wall:.0f} output tok/s; profiling {busy_steps} steps", flush=True)
         result.update(busy_window(engine, requests[: max(1, len(requests) // 2)], temperature, busy_steps))
