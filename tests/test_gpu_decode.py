@@ -11,6 +11,7 @@ import torch
 from checkpoints import build_checkpoint, build_moe_checkpoint
 
 from qwen3_scratch import load_model
+from qwen3_scratch.engine.engine import LLMEngine
 from qwen3_scratch.generation.loops import PaddedBatch, decode_step, generate_tokens, prefill
 from qwen3_scratch.kernels import gpu_decode
 from qwen3_scratch.kernels.gpu_decode import GPUDecoderLayer, glue_kernel, swiglu, use_gpu_decoder_layers
@@ -18,6 +19,7 @@ from qwen3_scratch.model.kv_cache import KVCache
 from qwen3_scratch.model.qwen3 import DecoderLayer
 from qwen3_scratch.model.rope import apply_rope
 from qwen3_scratch.sampling.logits import LogitsFilter
+from qwen3_scratch.sampling.params import SamplingParams
 
 GREEDY = LogitsFilter(temperature=0.0)
 PROMPTS = [[5, 9, 200, 31, 7, 77, 4], [300, 12, 8, 150, 2, 2, 60, 61, 19, 400, 33, 5]]
@@ -130,6 +132,37 @@ def test_a_compiler_that_fails_leaves_the_plain_layers(checkpoint, monkeypatch, 
     assert greedy(model, [PROMPTS[0]]) == expected
 
 
+def engine_tokens(model, prompts, n=10):
+    """Greedy tokens of each prompt through the engine, all added at once (prompt chunks and decodes packed)."""
+    engine = LLMEngine(model, None, [], num_blocks=64, block_size=8, max_num_batched_tokens=16)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    out = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for step in engine.step():
+            out[step.request_id] += step.new_token_ids
+    return list(out.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engines_steps_run_the_glue_for_any_token_count_with_the_plain_layers_tokens(checkpoint, dtype):
+    """The "batch" layout on a GPU: every engine step (prompt chunks of up to 16 tokens and decode rows, packed
+    as one sequence) runs the glue by kernels compiled once for any token count."""
+    model = load_model(checkpoint, dtype=dtype)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1][:5]]
+    expected = engine_tokens(model, prompts)
+    assert use_gpu_decoder_layers(model, any_length=True)
+    counts = []
+    real = gpu_decode.any_length_kernel
+    gpu_decode.any_length_kernel = lambda fn: (lambda *a, **k: counts.append(a[0].shape[1]) or real(fn)(*a, **k))
+    try:
+        assert engine_tokens(model, prompts) == expected, dtype
+    finally:
+        gpu_decode.any_length_kernel = real
+    # steps padded to their buckets: prompt chunks (16 tokens and more) and decode rows (a few) both ran the glue
+    assert max(counts) >= 16 and min(counts) <= 4, f"token counts the glue ran for: {sorted(set(counts))}"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_decode_layout_runs_the_glue_with_the_plain_layers_tokens(checkpoint):
@@ -158,15 +191,3 @@ def test_cuda_int8_decode_layout_runs_one_row_kernels_with_the_fused_casts_token
     forget_graphs(model)
     assert [greedy(model, [p])[0] for p in PROMPTS] == glued
 
-
-def test_row_kernel_products_keep_the_tokens_and_run_one_rows_only(checkpoint):
-    from qwen3_scratch.kernels.gpu_decode import RowKernelLinear, use_row_kernels
-
-    model = load_model(checkpoint, dtype="float32")
-    expected, logits = [greedy(model, [p])[0] for p in PROMPTS], step_logits(model, [PROMPTS[0]])
-    n = use_row_kernels(model)
-    assert n == 7 * model.config.num_hidden_layers + 1, "q, k, v, o, gate, up, down a layer, and the lm_head"
-    torch.testing.assert_close(step_logits(model, [PROMPTS[0]]), logits, rtol=1e-5, atol=1e-5)
-    assert [greedy(model, [p])[0] for p in PROMPTS] == expected
-    assert use_row_kernels(model, on=False) == n
-    assert not any(isinstance(m, RowKernelLinear) for m in model.modules())

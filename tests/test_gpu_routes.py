@@ -84,13 +84,16 @@ def test_an_unknown_int8_route_is_refused_naming_the_choices(checkpoint):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_fused_cast_route_gives_the_dequantized_references_tokens(checkpoint):
-    """The GPU's default int8 route, replayed from CUDA graphs, in fp32: the dequantized model's greedy tokens."""
+@pytest.mark.parametrize("route", ["row-kernel", "fused-cast"])
+def test_cuda_int8_routes_give_the_dequantized_references_tokens(checkpoint, route):
+    """The GPU's int8 routes, replayed from CUDA graphs, in fp32: the dequantized model's greedy tokens. The
+    "decode" layout's default there is one compiled kernel a one-row product (row-kernel)."""
     model = load_model(checkpoint, device="cuda", dtype=torch.float32, quantize="int8", optimize="decode")
-    assert model.lm_head.route == "fused-cast", "on a GPU int8 products default to gpt-fast's expression"
+    assert model.lm_head.route == "row-kernel", "on a GPU one-row int8 products default to their own kernels"
+    use_int8_route(model, route)
     ids = torch.randint(0, 512, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     reference = int8_reference(checkpoint, torch.float32, "cuda")
-    assert greedy(model, ids, 24) == greedy(reference, ids, 24), "int8 fused-cast on CUDA"
+    assert greedy(model, ids, 24) == greedy(reference, ids, 24), f"int8 {route} on CUDA"
 
 
 @pytest.mark.cuda

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qwen3_scratch.sampling.logits import exponential_noise, filter_logits
+from qwen3_scratch.sampling.logits import exponential_noise, fill_exponential_, filter_logits
 from qwen3_scratch.sampling.logprobs import TokenLogprob, score_tokens
 from qwen3_scratch.sampling.processors import LogitsProcessing, process_logits
 from qwen3_scratch.sampling.after_reasoning import GrammarAfterReasoning
@@ -83,7 +83,8 @@ def sample(seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
         for i, token in zip(greedy, rows.float().argmax(dim=-1).tolist()):
             tokens[i] = token
     for params, index in groups.items():
-        probs = filter_logits(logits[index], params).softmax(dim=-1)  # (n, V)
+        group = logits if len(index) == len(seqs) else logits[index]  # (a list index is copied to the device)
+        probs = filter_logits(group, params).softmax(dim=-1)  # (n, V)
         # a seeded request's rows draw from their own generators; the others' noise is drawn in one call
         drawn = race(probs, [seqs[i].generator if seqs[i].params.seed is not None else None for i in index])
         for i, token in zip(index, drawn):
@@ -105,7 +106,7 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
         noise = torch.empty_like(probs)
         for row, g in enumerate(generators):
             if g is not None:
-                noise[row] = exponential_noise(probs[row], g)
+                fill_exponential_(noise[row], g)  # in place: no row made, then copied
         if unseeded:
             noise[unseeded] = exponential_noise(probs[unseeded])
     return (probs / noise).argmax(dim=-1).tolist()

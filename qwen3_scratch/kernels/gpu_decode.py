@@ -10,6 +10,11 @@ modules'), and the attention, which stays the model's own:
     norm -> [q/k/v product] -> q/k norm + RoPE -> attention -> [o product] -> residual + norm
     -> [gate/up product] -> SwiGLU -> [down product] -> + residual
 
+On an H100 (docs/performance.md, "Four kernels a layer"): the 0.6B shapes' graphed step went from 1,636 kernels
+to 516, and decode from 265 to 569 tok/s (above `--compile`'s ~550); 8B from 102 to 141 tok/s (57% -> 79% of
+the bandwidth limit); 8B int4 from 147 to 240. The build costs ~12 s at the first start (inductor's cache on
+disk spares most of it later).
+
 Each kernel is built once per shape at its first use (make_fx on fake tensors, then inductor: Triton on a
 GPU, C++ on a CPU), with no guards: a graph replays it anyway. A layout step (kernels/layout.py, "decode" on a
 GPU) swaps each plain DecoderLayer's class for GPUDecoderLayer and builds the batch-1 kernels at load, on
@@ -18,8 +23,8 @@ one layer; every layer then shares them, as their shapes are the same.
 The maths is the model's, in its order and with eager's roundings to bf16 (emulate_precision_casts): the
 q/k norm + RoPE kernel, SwiGLU and the adds are bit for bit the eager ops; a norm's sum of squares is
 inductor's own order, so its fp32 result may differ in the last bit, and a bf16 element then rounds the
-other way about once in 10^5-10^6 (the H100 measured none in 16,000 rows of 1024: gpu_check's "norm
-mismatch"). Greedy tokens equal the plain layers' (tests/test_gpu_decode.py, on a CPU, where the same
+other way rarely (an H100 found no such element in 4,096 random rows of 128, 1,024 or 4,096 values;
+gpu_check's "norm mismatch"). Greedy tokens equal the plain layers' (tests/test_gpu_decode.py, on a CPU, where the same
 kernels compile to C++).
 
 Only one token a row (T == 1, any batch) runs this way: a prefill is one forward whose launches do not
@@ -48,6 +53,20 @@ def glue_kernel(fn, *args: torch.Tensor, **constants):
     compiled = _KERNELS.get(key)
     if compiled is None:
         compiled = _KERNELS[key] = jit_kernel(fn, args, constants)
+    return compiled
+
+
+_DYNAMIC: dict = {}  # function -> fn compiled once for any number of tokens
+
+
+def any_length_kernel(fn):
+    """fn compiled by torch.compile with dynamic shapes: one kernel for every token count (after the one for a
+    single token, which dynamo specialises), guarded, rounding as eager. For the engine, whose steps pack any
+    number of tokens (buckets of decode rows, prompt chunks): one static kernel per count would be dozens to build."""
+    compiled = _DYNAMIC.get(fn)
+    if compiled is None:
+        options = {"emulate_precision_casts": True}
+        compiled = _DYNAMIC[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
     return compiled
 
 
@@ -84,8 +103,11 @@ def swiglu(gate_up):
 class GPUDecoderLayer(DecoderLayer):
     """DecoderLayer whose one-token steps run the glue as four compiled kernels (the class swapped in at load)."""
 
+    any_length = False  # True (the engine's layers): every step runs the glue, by any_length_kernel
+
     def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
-        if x.shape[1] != 1 or x.device != self.glue_device or torch.compiler.is_compiling():
+        plain = x.shape[1] != 1 and not self.any_length
+        if plain or x.device != self.glue_device or torch.compiler.is_compiling():
             return super().forward(x, cos, sin, mask, cache, cache_slots)
         attn, mlp, eps = self.self_attn, self.mlp, self.input_layernorm.eps
         h = self.run(norm, x, self.input_layernorm.weight, eps=eps)
@@ -103,52 +125,27 @@ class GPUDecoderLayer(DecoderLayer):
         return x + mlp.down_proj(self.run(swiglu, gate_up))
 
     def run(self, fn, *args, **constants):
+        if self.any_length:
+            return any_length_kernel(fn)(*args, **constants)
         args = [a.contiguous() for a in args]
         return glue_kernel(fn, *args, **constants)(*args)
 
 
-def float_row(x, weight):
-    """x (1, K) times weight (N, K) transposed -> (N,) in x's dtype, summed in fp32 (as cuBLAS's half-precision
-    products are; in inductor's order, not cuBLAS's, so the last bit can differ)."""
-    return (weight.float() * x.float()).sum(-1).to(x.dtype)
-
-
-float_row.inductor_config = {"coordinate_descent_tuning": True}  # the reduction's block sizes tuned at its build
-
-
-class RowKernelLinear(torch.nn.Linear):
-    """nn.Linear whose one-row products are one kernel inductor builds for the product alone (an experiment
-    beside cuBLAS's: its small one-row products read the 0.6B shapes' matrices at about half the bandwidth,
-    docs/performance.md). Any other input runs F.linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features or torch.compiler.is_compiling():
-            return super().forward(x)
-        row = x.reshape(1, self.in_features).contiguous()
-        y = glue_kernel(float_row, row, self.weight)(row, self.weight).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
-def use_row_kernels(model: Qwen3, on: bool = True) -> int:
-    """Swap every plain nn.Linear of model for RowKernelLinear (on=False: back); returns how many."""
-    old, new = (torch.nn.Linear, RowKernelLinear) if on else (RowKernelLinear, torch.nn.Linear)
-    linears = [m for m in model.modules() if type(m) is old]
-    for m in linears:
-        m.__class__ = new
-    return len(linears)
-
-
 @torch.no_grad()
-def use_gpu_decoder_layers(model: Qwen3) -> bool:
+def use_gpu_decoder_layers(model: Qwen3, any_length: bool = False) -> bool:
     """Give every plain dense or MoE layer the compiled-glue decode step on the model's device, and build its
     batch-1 kernels now, on one layer and one token. False (the layers left plain, a warning logged) if
-    inductor cannot build them here (no Triton, no compiler): the model then runs as it was."""
+    inductor cannot build them here (no Triton, no compiler): the model then runs as it was.
+
+    any_length: every forward runs the glue, whatever its token count (the engine's "batch" layout: its steps
+    are many rows packed as one sequence), by kernels compiled for any count; built now for one token and for
+    several."""
     layers = [layer for layer in model.model.layers if type(layer) is DecoderLayer and type(layer.self_attn) is Attention]
     if not layers:
         return False
     for layer in layers:
         layer.__class__ = GPUDecoderLayer
-        layer.glue_device = model.device
+        layer.glue_device, layer.any_length = model.device, any_length
     try:
         C, dtype, device = model.config.hidden_size, model.activation_dtype, model.device
         cache = KVCache(model.config, 1, 1, device, dtype)  # one slot, thrown away
@@ -158,10 +155,15 @@ def use_gpu_decoder_layers(model: Qwen3) -> bool:
         cos, sin = model.rope_cos[slot][None], model.rope_sin[slot][None]  # (1, 1, D): position 0
         layers[0](torch.zeros(1, 1, C, dtype=dtype, device=device), cos, sin, attention_mask(slot, cache.key_valid),
                   cache, slot)  # fmt: skip
+        if any_length:  # and the kernels for several tokens (a cache of two slots)
+            cache, slots = KVCache(model.config, 1, 2, device, dtype), torch.arange(2, device=device)
+            cos, sin = model.rope_cos[slots][None], model.rope_sin[slots][None]  # (1, 2, D)
+            layers[0](torch.zeros(1, 2, C, dtype=dtype, device=device), cos, sin,
+                      attention_mask(slots, cache.key_valid), cache, slots)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - any compiler failure: the plain layers still run
         for layer in layers:
             layer.__class__ = DecoderLayer
-            del layer.glue_device
+            del layer.glue_device, layer.any_length
         log.warning("decode runs without compiled glue kernels (%s: %s)", type(e).__name__, str(e)[:200])
         return False
     return True

@@ -15,8 +15,7 @@ Variants of `decode` are "<weights>/<mode>": weights bfloat16, int8 (the device'
 one compiled kernel a one-row product on a GPU, kernels/quantize.py's "row-kernel"), int8cast (gpt-fast's
 F.linear over the cast weight, "fused-cast"), int8pack (torch._weight_int8pack_mm) or int4 (tinygemm on a GPU); modes
 eager, graphs (the default: CUDA graphs over the layers' compiled glue, kernels/gpu_decode.py), graphs-plain
-(graphs over the plain layers, op by op), graphs-rows (the default with one-row bf16 products as inductor's
-kernels, gpu_decode.use_row_kernels), graphs-norms (graphs over the plain layers with RMSNorms compiled to
+(graphs over the plain layers, op by op), graphs-norms (graphs over the plain layers with RMSNorms compiled to
 one kernel each, kernels/norms.py), graphs-fused (the plain layers with torch's fused RMSNorm kernel), compiled.
 """
 
@@ -42,7 +41,7 @@ SCHEMES = {"bfloat16": (None, None), "int8": ("int8", None), "int8cast": ("int8"
 DEFAULT_INT8 = ("row-kernel", "cpu")  # what the "decode" layout picks on a GPU, on a CPU
 # generate_tokens' arguments for each mode (the graphs-* modes also swap the layers or norms: norms_for)
 MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}, "graphs-norms": {"cuda_graphs": True},
-         "graphs-fused": {"cuda_graphs": True}, "graphs-plain": {"cuda_graphs": True}, "graphs-rows": {"cuda_graphs": True},
+         "graphs-fused": {"cuda_graphs": True}, "graphs-plain": {"cuda_graphs": True},
          "compiled": {"compile": True}}  # fmt: skip
 
 
@@ -75,18 +74,6 @@ def norms_for(model, mode: str):
     """The graphs-* modes but "graphs": the plain layers in place of the compiled glue (gpu_decode.py), and for
     "graphs-norms" and "graphs-fused" their RMSNorms compiled to one kernel each or on torch's fused kernel
     (kernels/norms.py); all as loaded afterwards. Graphs captured over either are dropped on the way in and out."""
-    if mode == "graphs-rows":  # the default, with one-row products as inductor's kernels (use_row_kernels)
-        from qwen3_scratch.generation.cuda_graph import forget_graphs
-        from qwen3_scratch.kernels.gpu_decode import use_row_kernels
-
-        use_row_kernels(model)
-        forget_graphs(model)
-        try:
-            yield
-        finally:
-            use_row_kernels(model, on=False)
-            forget_graphs(model)
-        return
     if mode not in ("graphs-plain", "graphs-norms", "graphs-fused"):
         yield
         return
