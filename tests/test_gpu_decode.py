@@ -132,9 +132,9 @@ def test_a_compiler_that_fails_leaves_the_plain_layers(checkpoint, monkeypatch, 
     assert greedy(model, [PROMPTS[0]]) == expected
 
 
-def engine_tokens(model, prompts, n=10):
+def engine_tokens(model, prompts, n=10, block_size=8):
     """Greedy tokens of each prompt through the engine, all added at once (prompt chunks and decodes packed)."""
-    engine = LLMEngine(model, None, [], num_blocks=64, block_size=8, max_num_batched_tokens=16)
+    engine = LLMEngine(model, None, [], num_blocks=64, block_size=block_size, max_num_batched_tokens=16)
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     out = {str(i): [] for i in range(len(prompts))}
@@ -191,3 +191,15 @@ def test_cuda_int8_decode_layout_runs_one_row_kernels_with_the_fused_casts_token
     forget_graphs(model)
     assert [greedy(model, [p])[0] for p in PROMPTS] == glued
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_with_the_glue_gives_the_plain_engines_tokens(checkpoint):
+    """The engine's GPU default (flex route, decode steps replayed from graphs) over the "batch" layout, whose
+    layers run the glue for any token count: the plain layers' greedy tokens (fp32)."""
+    glued = load_model(checkpoint, device="cuda", dtype=torch.float32, optimize="batch")
+    assert all(type(layer) is GPUDecoderLayer and layer.any_length for layer in glued.model.layers)
+    plain_model = load_model(checkpoint, device="cuda", dtype=torch.float32)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1][:5]]
+    assert engine_tokens(glued, prompts, block_size=16) == engine_tokens(plain_model, prompts, block_size=16)
