@@ -74,12 +74,8 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, K, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, D)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)  # norm first, then rotate
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # norm first, then rotate
         return self.o_proj(self.attend(q, k, v, mask, cache, cache_slots))  # (B, T, C)
-
-    def rotate(self, x, cos, sin):
-        """RoPE on x (B, heads, T, D): a method, so that a load-time transform can run it as one kernel."""
-        return apply_rope(x, cos, sin)
 
     def attend(self, q, k, v, mask=None, cache: KVCache | None = None, cache_slots=None):
         """q (B, H, T, D), k, v (B, K, T, D) -> (B, T, H*D): through the cache when there is one."""

@@ -15,8 +15,7 @@ Variants of `decode` are "<weights>/<mode>": weights bfloat16, int8 (the device'
 one compiled kernel a one-row product on a GPU, kernels/quantize.py's "row-kernel"), int8cast (gpt-fast's
 F.linear over the cast weight, "fused-cast"), int8pack (torch._weight_int8pack_mm) or int4 (tinygemm on a GPU); modes
 eager, graphs (the default: CUDA graphs over the layers' compiled glue, kernels/gpu_decode.py), graphs-plain
-(graphs over the plain layers, op by op), graphs-norms (graphs over the plain layers with RMSNorms compiled to
-one kernel each, kernels/norms.py), graphs-fused (the plain layers with torch's fused RMSNorm kernel), compiled.
+(graphs over the plain layers, op by op), compiled.
 """
 
 import json
@@ -39,9 +38,8 @@ PROMPT_LEN = 16
 SCHEMES = {"bfloat16": (None, None), "int8": ("int8", None), "int8cast": ("int8", "fused-cast"),
            "int8pack": ("int8", "int8pack"), "int4": ("int4", None)}  # (quantize, int8 route; None: as loaded)
 DEFAULT_INT8 = ("row-kernel", "cpu")  # what the "decode" layout picks on a GPU, on a CPU
-# generate_tokens' arguments for each mode (the graphs-* modes also swap the layers or norms: norms_for)
-MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}, "graphs-norms": {"cuda_graphs": True},
-         "graphs-fused": {"cuda_graphs": True}, "graphs-plain": {"cuda_graphs": True},
+# generate_tokens' arguments for each mode ("graphs-plain" also swaps the layers: layers_for)
+MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}, "graphs-plain": {"cuda_graphs": True},
          "compiled": {"compile": True}}  # fmt: skip
 
 
@@ -70,32 +68,39 @@ def prompt_ids(vocab_size: int) -> list[int]:
 
 
 @contextmanager
-def norms_for(model, mode: str):
-    """The graphs-* modes but "graphs": the plain layers in place of the compiled glue (gpu_decode.py), and for
-    "graphs-norms" and "graphs-fused" their RMSNorms compiled to one kernel each or on torch's fused kernel
-    (kernels/norms.py); all as loaded afterwards. Graphs captured over either are dropped on the way in and out."""
-    if mode not in ("graphs-plain", "graphs-norms", "graphs-fused"):
+def layers_for(model, mode: str):
+    """Mode "graphs-plain": the plain layers in place of the compiled glue (kernels/gpu_decode.py) for the
+    measurement, as loaded afterwards; graphs captured over either are dropped on the way in and out."""
+    if mode != "graphs-plain":
         yield
         return
     from qwen3_scratch.generation.cuda_graph import forget_graphs
-    from qwen3_scratch.kernels import norms
     from qwen3_scratch.kernels.gpu_decode import GPUDecoderLayer
     from qwen3_scratch.model.qwen3 import DecoderLayer
 
     glued = [layer for layer in model.model.layers if type(layer) is GPUDecoderLayer]
     for layer in glued:
         layer.__class__ = DecoderLayer
-    swap, undo = {"graphs-norms": (norms.compile_norms, norms.uncompile_norms),
-                  "graphs-fused": (norms.fuse_norms, norms.unfuse_norms)}.get(mode, (id, id))  # fmt: skip
-    swap(model)
     forget_graphs(model)
     try:
         yield
     finally:
-        undo(model)
         for layer in glued:
             layer.__class__ = GPUDecoderLayer
         forget_graphs(model)
+
+
+def norm_mismatch(dim: int, device, dtype, rows: int = 4096) -> float:
+    """The share of output elements in which the glue's compiled RMSNorm (gpu_decode.norm) differs from the
+    eager one, over random rows of width dim (activations of a few scales, a weight near 1, as a model's are)."""
+    from qwen3_scratch.kernels.gpu_decode import glue_kernel, norm
+    from qwen3_scratch.model.qwen3 import rms_norm
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, dim, generator=g, device=device) * torch.rand(rows, 1, generator=g, device=device) * 8
+    weight = (1 + 0.1 * torch.randn(dim, generator=g, device=device)).to(dtype)
+    x = x.to(dtype)
+    return (glue_kernel(norm, x, weight, eps=1e-6)(x, weight) != rms_norm(x, weight, 1e-6)).float().mean().item()
 
 
 def time_ours(model, device: str, mode: str, new_tokens: int) -> dict:
@@ -130,14 +135,11 @@ def decode_worker(args, out: Path) -> None:
     from qwen3_scratch.generation.cuda_graph import forget_graphs
     from qwen3_scratch.kernels.quantize import use_int8_route
 
-    from qwen3_scratch.kernels.norms import norm_mismatch
-
     record = {"size": args.size, "results": {}}
     record["bandwidth_gb_s"] = measure_bandwidth(args.device) / 1e9
-    if any("-norms" in v or "-fused" in v for v in args.variants.split(",")):  # how often each norm route differs
-        record_result(record, out, "norm mismatch", lambda: {f"{route} {dtype} width {dim}": share
-                      for dtype in (torch.bfloat16, torch.float32) for dim in (128, 1024, 4096)
-                      for route, share in norm_mismatch(dim, args.device, dtype).items()})  # fmt: skip
+    if "bfloat16/graphs" in args.variants.split(","):  # how often the glue's norm differs from the eager one
+        record_result(record, out, "norm mismatch", lambda: {f"{str(dtype)[6:]} width {dim}": norm_mismatch(
+                      dim, args.device, dtype) for dtype in (torch.bfloat16, torch.float32) for dim in (128, 1024, 4096)})  # fmt: skip
     model, loaded = None, "nothing yet"
     for variant in args.variants.split(","):
         weights, mode = variant.split("/")
@@ -158,7 +160,7 @@ def decode_worker(args, out: Path) -> None:
         step_bytes = bytes_per_decode_step(model, model.config, PROMPT_LEN + args.new_tokens // 2, 1)
 
         def measure(mode=mode, model=model, step_bytes=step_bytes):
-            with norms_for(model, mode):
+            with layers_for(model, mode):
                 r = time_ours(model, args.device, mode, args.new_tokens)
             r["util"] = r["decode_tok_s"] * step_bytes / (record["bandwidth_gb_s"] * 1e9)
             return {**r, "bytes_per_step": step_bytes}
@@ -230,7 +232,7 @@ def profile_worker(args, out: Path) -> None:
         use_int8_route(model, route or DEFAULT_INT8[args.device != "cuda"])
         forget_graphs(model)
         def measure(mode=mode, model=model):
-            with norms_for(model, mode):
+            with layers_for(model, mode):
                 return profile_step(model, args.device, mode)
 
         record_result(record, out, f"profile {variant}", measure)
