@@ -84,6 +84,29 @@ def test_shared_prefix_blocks_are_reference_counted_and_hash_chained():
     assert blocks.num_used == 3
 
 
+def test_sealing_step_by_step_gives_the_hashes_of_sealing_at_once():
+    """seal_full_blocks walks only the blocks after the last sealed one: a sequence sealed after every token, and
+    one whose prefix came from the cache, hold the hashes of the same tokens sealed in one call."""
+    ids = [(7 * i) % 13 for i in range(27)]
+    once = BlockManager(num_blocks=16, block_size=4)
+    table_once, _ = once.allocate(ids)
+    once.seal_full_blocks(table_once, ids, len(ids))
+    expected = [once.blocks[i].hash for i in table_once]
+    stepwise = BlockManager(num_blocks=16, block_size=4)
+    table, _ = stepwise.allocate(ids[:1])
+    for n in range(1, len(ids) + 1):
+        assert stepwise.ensure_capacity(table, n)
+        stepwise.seal_full_blocks(table, ids[:n], n)
+    assert [stepwise.blocks[i].hash for i in table] == expected
+    shared, cached = stepwise.allocate(ids[:14] + [99, 98, 97, 96, 95, 94])  # 3 cached blocks, then new ones
+    assert cached == 12
+    stepwise.seal_full_blocks(shared, ids[:14] + [99, 98, 97, 96, 95, 94], 20)
+    alone = BlockManager(num_blocks=16, block_size=4)
+    fresh, _ = alone.allocate(ids[:14] + [99, 98, 97, 96, 95, 94])
+    alone.seal_full_blocks(fresh, ids[:14] + [99, 98, 97, 96, 95, 94], 20)
+    assert [stepwise.blocks[i].hash for i in shared] == [alone.blocks[i].hash for i in fresh]
+
+
 def test_the_last_token_is_never_served_from_the_cache():
     blocks = BlockManager(num_blocks=4, block_size=4)
     ids = list(range(8))
