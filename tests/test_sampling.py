@@ -393,15 +393,11 @@ def test_greedy_draw_equals_argmax_of_the_widened_logits_with_the_isfinite_check
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])])  # fmt: skip
 def test_the_races_noise_is_exponential_and_never_zero(device):
-    """exponential_noise (-log(1 - U) on a CPU, faster there than torch's exponential_; exponential_ on a GPU)
-    is Exponential(1): its mean, and P(E > t) = exp(-t), within a few standard errors of 200,000 draws; no draw
-    is 0. Filling a row of a batch in place draws what a row of its own would."""
-    from qwen3_scratch.sampling.logits import exponential_noise, fill_exponential_
+    """exponential_noise (-log(1 - U), faster on a CPU than torch's exponential_) is Exponential(1): its mean,
+    and P(E > t) = exp(-t), within a few standard errors of 200,000 draws; no draw is 0."""
+    from qwen3_scratch.sampling.logits import exponential_noise
 
     noise = exponential_noise(torch.empty(200_000, device=device), torch.Generator(device).manual_seed(0))
-    batch = torch.zeros(3, 200_000, device=device)
-    fill_exponential_(batch[1], torch.Generator(device).manual_seed(0))
-    assert torch.equal(batch[1], noise) and not batch[0].any() and not batch[2].any()
     assert noise.min() > 0 and torch.isfinite(noise).all()
     assert abs(noise.mean().item() - 1) < 5 * (1 / 200_000) ** 0.5, "Exponential(1) has mean 1, sd 1"
     for t in (0.1, 1.0, 3.0):

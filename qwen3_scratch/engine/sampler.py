@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qwen3_scratch.sampling.logits import exponential_noise, fill_exponential_, filter_logits
+from qwen3_scratch.sampling.logits import exponential_from_uniform_, exponential_noise, filter_logits
 from qwen3_scratch.sampling.logprobs import TokenLogprob, score_tokens
 from qwen3_scratch.sampling.processors import LogitsProcessing, process_logits
 from qwen3_scratch.sampling.after_reasoning import GrammarAfterReasoning
@@ -102,13 +102,14 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
     unseeded = [row for row, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
         noise = exponential_noise(probs)
-    else:
+    else:  # each seeded row's uniforms from its own generator, then all rows made exponential at once
         noise = torch.empty_like(probs)
         for row, g in enumerate(generators):
             if g is not None:
-                fill_exponential_(noise[row], g)  # in place: no row made, then copied
+                noise[row].uniform_(generator=g)
         if unseeded:
-            noise[unseeded] = exponential_noise(probs[unseeded])
+            noise[unseeded] = torch.empty_like(probs[unseeded]).uniform_()
+        exponential_from_uniform_(noise)
     return (probs / noise).argmax(dim=-1).tolist()
 
 

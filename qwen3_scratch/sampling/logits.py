@@ -229,19 +229,15 @@ def sample(logits: torch.Tensor, params: LogitsFilter, generator: torch.Generato
 
 def exponential_noise(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """E ~ Exponential(1), one per entry of probs, never 0: the race's noise (`sample`)."""
-    return fill_exponential_(torch.empty_like(probs), generator)
+    return exponential_from_uniform_(torch.empty_like(probs).uniform_(generator=generator))
 
 
-def fill_exponential_(out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Fill `out` (a row of a batch's noise, say) with Exponential(1) draws, never 0, in place.
+def exponential_from_uniform_(u: torch.Tensor) -> torch.Tensor:
+    """U ~ Uniform[0, 1) -> E = -log(1 - U) ~ Exponential(1), in place, never 0.
 
-    On a CPU made as -log(1 - U), U ~ Uniform[0, 1), which is what Exponential(1) is: torch's own
-    `exponential_` costs 5-6x as much there, 2.9 ms against 0.57 for one row of Qwen3's 151,936 ids, and 184 ms
-    against 47 for 64 rows (1 thread, AMD EPYC): a sampled serving step of 64 rows spent most of its time
-    there. On a GPU `exponential_` is one kernel where that is four, and a step of 32 seeded rows launched 128
-    (an H100's engine profile). An exact 0 (U = 0) would turn p / E = 0 / 0 into NaN, which argmax ranks above
-    every number: it is raised to the smallest normal float."""
-    tiny = torch.finfo(out.dtype).tiny
-    if out.device.type != "cpu":
-        return out.exponential_(generator=generator).clamp_min_(tiny)
-    return out.uniform_(generator=generator).neg_().log1p_().neg_().clamp_min_(tiny)
+    Made from uniforms because on a CPU torch's own `exponential_` costs 5-6x as much: 2.9 ms against 0.57 for
+    one row of Qwen3's 151,936 ids, and 184 ms against 47 for 64 rows (1 thread, AMD EPYC). Apart from the draw
+    so that a batch whose rows draw from their own generators (seeded requests) transforms them all at once:
+    four ops a step, not four a row. An exact 0 (U = 0) would turn p / E = 0 / 0 into NaN, which argmax ranks
+    above every number: it is raised to the smallest normal float."""
+    return u.neg_().log1p_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
