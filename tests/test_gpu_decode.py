@@ -12,9 +12,11 @@ from checkpoints import build_checkpoint, build_moe_checkpoint
 
 from qwen3_scratch import load_model
 from qwen3_scratch.engine.engine import LLMEngine
+from qwen3_scratch.generation.cuda_graph import forget_graphs
 from qwen3_scratch.generation.loops import PaddedBatch, decode_step, generate_tokens, prefill
-from qwen3_scratch.kernels import gpu_decode
-from qwen3_scratch.kernels.gpu_decode import GPUDecoderLayer, glue_kernel, swiglu, use_gpu_decoder_layers
+from qwen3_scratch.kernels import gpu_decode, matvec
+from qwen3_scratch.kernels.gpu_decode import GPUDecoderLayer, swiglu, use_gpu_decoder_layers
+from qwen3_scratch.kernels.matvec import kernel
 from qwen3_scratch.model.kv_cache import KVCache
 from qwen3_scratch.model.qwen3 import DecoderLayer
 from qwen3_scratch.model.rope import apply_rope
@@ -22,6 +24,7 @@ from qwen3_scratch.sampling.logits import LogitsFilter
 from qwen3_scratch.sampling.params import SamplingParams
 
 GREEDY = LogitsFilter(temperature=0.0)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = [[5, 9, 200, 31, 7, 77, 4], [300, 12, 8, 150, 2, 2, 60, 61, 19, 400, 33, 5]]
 
 
@@ -36,9 +39,11 @@ def greedy(model, prompts, n=12, cuda_graphs=True):
 
 
 def plain(model):
+    """The model's layers back to plain DecoderLayers, and the graphs captured over the glue dropped."""
     for layer in model.model.layers:
         if type(layer) is GPUDecoderLayer:
             layer.__class__ = DecoderLayer
+    forget_graphs(model)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -82,14 +87,13 @@ def test_a_decode_steps_logits_are_the_plain_layers_within_rounding(checkpoint, 
 def test_a_decode_step_runs_the_glue_and_a_prefill_the_plain_layer(checkpoint):
     model = load_model(checkpoint, dtype="bfloat16")
     use_gpu_decoder_layers(model)
-    gpu_decode._KERNELS.clear()
     calls = []
-    real = gpu_decode.glue_kernel
-    gpu_decode.glue_kernel = lambda fn, *a, **k: calls.append((fn.__name__, a[0].shape[1])) or real(fn, *a, **k)
+    real = gpu_decode.kernel
+    gpu_decode.kernel = lambda fn, *a, **k: calls.append((fn.__name__, a[0].shape[1])) or real(fn, *a, **k)
     try:
         greedy(model, [PROMPTS[1]], n=2)
     finally:
-        gpu_decode.glue_kernel = real
+        gpu_decode.kernel = real
     layers = model.config.num_hidden_layers
     assert {name for name, _ in calls} == {"norm", "heads", "residual_norm", "swiglu"}
     assert all(tokens == 1 for _, tokens in calls), "a prompt of 12 tokens ran through the plain layer"
@@ -99,14 +103,14 @@ def test_a_decode_step_runs_the_glue_and_a_prefill_the_plain_layer(checkpoint):
 def test_the_pointwise_kernels_are_the_eager_ops_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(1, 1, 96, generator=g) * 3).bfloat16()
-    assert torch.equal(glue_kernel(swiglu, gate_up)(gate_up), swiglu(gate_up)), "bf16 roundings as eager's"
+    assert torch.equal(kernel(swiglu, gate_up)(gate_up), swiglu(gate_up)), "bf16 roundings as eager's"
     x = (torch.randn(1, 4, 1, 32, generator=g) * 3).bfloat16()
     cos, sin = (torch.randn(1, 1, 32, generator=g).bfloat16() for _ in range(2))
 
     def rope(x, cos, sin):
         return apply_rope(x, cos, sin)
 
-    assert torch.equal(glue_kernel(rope, x, cos, sin)(x, cos, sin), apply_rope(x, cos, sin))
+    assert torch.equal(kernel(rope, x, cos, sin)(x, cos, sin), apply_rope(x, cos, sin))
 
 
 def test_mixture_of_experts_layers_keep_their_experts_and_tokens(tmp_path):
@@ -123,8 +127,8 @@ def test_a_compiler_that_fails_leaves_the_plain_layers(checkpoint, monkeypatch, 
     def broken(fn, args, constants):
         raise RuntimeError("no working C++ compiler")
 
-    monkeypatch.setattr(gpu_decode, "jit_kernel", broken)
-    monkeypatch.setattr(gpu_decode, "_KERNELS", {})
+    monkeypatch.setattr(matvec, "jit_kernel", broken)
+    monkeypatch.setattr(matvec, "_KERNELS", {})
     with caplog.at_level(logging.WARNING, logger="qwen3_scratch.kernels"):
         assert not use_gpu_decoder_layers(model)
     assert "no working C++ compiler" in caplog.text
@@ -164,20 +168,17 @@ def test_the_engines_steps_run_the_glue_for_any_token_count_with_the_plain_layer
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 def test_cuda_decode_layout_runs_the_glue_with_the_plain_layers_tokens(checkpoint):
     model = load_model(checkpoint, device="cuda", dtype=torch.float32, optimize="decode")
     assert all(type(layer) is GPUDecoderLayer for layer in model.model.layers)
     glued = [greedy(model, [p])[0] for p in PROMPTS]
     plain(model)
-    from qwen3_scratch.generation.cuda_graph import forget_graphs
-
-    forget_graphs(model)
     assert [greedy(model, [p])[0] for p in PROMPTS] == glued
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 def test_cuda_int8_decode_layout_runs_one_row_kernels_with_the_fused_casts_tokens(checkpoint):
     from qwen3_scratch.kernels.quantize import Int8Linear, use_int8_route
 
@@ -186,15 +187,11 @@ def test_cuda_int8_decode_layout_runs_one_row_kernels_with_the_fused_casts_token
     glued = [greedy(model, [p])[0] for p in PROMPTS]
     use_int8_route(model, "fused-cast")
     plain(model)
-    from qwen3_scratch.generation.cuda_graph import forget_graphs
-
-    forget_graphs(model)
     assert [greedy(model, [p])[0] for p in PROMPTS] == glued
 
 
-
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 def test_cuda_engine_with_the_glue_gives_the_plain_engines_tokens(checkpoint):
     """The engine's GPU default (flex route, decode steps replayed from graphs) over the "batch" layout, whose
     layers run the glue for any token count: the plain layers' greedy tokens (fp32)."""

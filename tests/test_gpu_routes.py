@@ -11,7 +11,7 @@ from torch import nn
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch.generation.loops import generate_tokens
-from qwen3_scratch.kernels import gpu_decode
+from qwen3_scratch.kernels import matvec
 from qwen3_scratch.kernels.quantize import Int8Linear, quantize_rows, use_int8_route
 from qwen3_scratch.sampling.logits import LogitsFilter
 
@@ -73,7 +73,7 @@ def test_the_row_kernel_runs_one_row_compiled_and_several_by_the_fused_cast():
     one = layer(x[:1, None])
     assert one.shape == (1, 1, 96)
     torch.testing.assert_close(one, fused_row, rtol=1e-5, atol=1e-5)
-    assert any(key[0] == "int8_row" for key in gpu_decode._KERNELS), "the one row ran the compiled kernel"
+    assert any(key[0] == "int8_row" for key in matvec._KERNELS), "the one row ran the compiled kernel"
 
 
 def test_an_unknown_int8_route_is_refused_naming_the_choices(checkpoint):

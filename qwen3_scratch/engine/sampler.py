@@ -79,17 +79,21 @@ def sample(seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
             groups.setdefault(chosen, []).append(i)
     if greedy:  # fp32: the same argmax (bf16 widens exactly), at 16 x 151,936 2.2 ms against 4.6 ms for torch's
         # bf16 argmax on the 2-core EPYC (docs/performance.md, serving); over the greedy rows alone
-        rows = logits if len(greedy) == len(seqs) else logits[greedy]
-        for i, token in zip(greedy, rows.float().argmax(dim=-1).tolist()):
+        for i, token in zip(greedy, rows_at(logits, greedy).float().argmax(dim=-1).tolist()):
             tokens[i] = token
     for params, index in groups.items():
-        group = logits if len(index) == len(seqs) else logits[index]  # (a list index is copied to the device)
-        probs = filter_logits(group, params).softmax(dim=-1)  # (n, V)
+        probs = filter_logits(rows_at(logits, index), params).softmax(dim=-1)  # (n, V)
         # a seeded request's rows draw from their own generators; the others' noise is drawn in one call
         drawn = race(probs, [seqs[i].generator if seqs[i].params.seed is not None else None for i in index])
         for i, token in zip(index, drawn):
             tokens[i] = token
     return tokens
+
+
+def rows_at(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """logits' rows at index (distinct rows, in order): logits itself when that is every row. Indexing by a list
+    copies the list to the device, which on a GPU also waits for the step's forward, and copies the rows."""
+    return logits if len(index) == logits.shape[0] else logits[index]
 
 
 def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:

@@ -15,8 +15,8 @@ to 516, and decode from 265 to 569 tok/s (above `--compile`'s ~550); 8B from 102
 the bandwidth limit); 8B int4 from 147 to 240. The build costs ~12 s at the first start (inductor's cache on
 disk spares most of it later).
 
-Each kernel is built once per shape at its first use (make_fx on fake tensors, then inductor: Triton on a
-GPU, C++ on a CPU), with no guards: a graph replays it anyway. A layout step (kernels/layout.py, "decode" on a
+Each kernel is built once per shape at its first use (matvec.kernel: make_fx on fake tensors, then inductor:
+Triton on a GPU, C++ on a CPU), with no guards: a graph replays it anyway. A layout step (kernels/layout.py, "decode" on a
 GPU) swaps each plain DecoderLayer's class for GPUDecoderLayer and builds the batch-1 kernels at load, on
 one layer; every layer then shares them, as their shapes are the same.
 
@@ -44,21 +44,9 @@ from qwen3_scratch.model.kv_cache import KVCache, attention_mask
 from qwen3_scratch.model.qwen3 import MLP, Attention, DecoderLayer, Qwen3, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
-from .matvec import jit_kernel
+from .matvec import kernel
 
 log = logging.getLogger("qwen3_scratch.kernels")
-
-_KERNELS: dict[tuple, object] = {}  # (function, device, shapes and dtypes, constants) -> compiled callable
-
-
-def glue_kernel(fn, *args: torch.Tensor, **constants):
-    """fn(*args, **constants) compiled for these exact shapes, dtypes and device; built at its first use."""
-    key = (fn.__qualname__, args[0].device, *((tuple(a.shape), a.dtype) for a in args), *sorted(constants.items()))
-    compiled = _KERNELS.get(key)
-    if compiled is None:
-        compiled = _KERNELS[key] = jit_kernel(fn, args, constants)
-    return compiled
-
 
 _DYNAMIC: dict = {}  # function -> fn compiled once for any number of tokens
 
@@ -134,7 +122,7 @@ class GPUDecoderLayer(DecoderLayer):
         if self.any_length:
             return any_length_kernel(fn)(*args, **constants)
         args = [a.contiguous() for a in args]
-        return glue_kernel(fn, *args, **constants)(*args)
+        return kernel(fn, *args, **constants)(*args)
 
 
 @torch.no_grad()
@@ -154,17 +142,12 @@ def use_gpu_decoder_layers(model: Qwen3, any_length: bool = False) -> bool:
         layer.glue_device, layer.any_length = model.device, any_length
     try:
         C, dtype, device = model.config.hidden_size, model.activation_dtype, model.device
-        cache = KVCache(model.config, 1, 1, device, dtype)  # one slot, thrown away
-        slot = torch.zeros(1, dtype=torch.long, device=device)
         if model.rope_cos.numel() == 0:
             model.build_rope_tables(device, dtype)
-        cos, sin = model.rope_cos[slot][None], model.rope_sin[slot][None]  # (1, 1, D): position 0
-        layers[0](torch.zeros(1, 1, C, dtype=dtype, device=device), cos, sin, attention_mask(slot, cache.key_valid),
-                  cache, slot)  # fmt: skip
-        if any_length:  # and the kernels for several tokens (a cache of two slots)
-            cache, slots = KVCache(model.config, 1, 2, device, dtype), torch.arange(2, device=device)
-            cos, sin = model.rope_cos[slots][None], model.rope_sin[slots][None]  # (1, 2, D)
-            layers[0](torch.zeros(1, 2, C, dtype=dtype, device=device), cos, sin,
+        for n in (1, 2) if any_length else (1,):  # one token; and several, for kernels of any count
+            cache, slots = KVCache(model.config, 1, n, device, dtype), torch.arange(n, device=device)  # thrown away
+            cos, sin = model.rope_cos[slots][None], model.rope_sin[slots][None]  # (1, n, D): positions 0..n-1
+            layers[0](torch.zeros(1, n, C, dtype=dtype, device=device), cos, sin,
                       attention_mask(slots, cache.key_valid), cache, slots)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - any compiler failure: the plain layers still run
         for layer in layers:

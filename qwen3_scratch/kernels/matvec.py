@@ -73,24 +73,28 @@ def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     return ((weight.float() * x).sum(-1) * scales.float()).to(scales.dtype)
 
 
-_KERNELS: dict[tuple, object] = {}  # (function, shapes and dtypes of its arguments) -> compiled callable
+_KERNELS: dict[tuple, object] = {}  # (function, device, shapes and dtypes of its arguments) -> compiled callable
 
 
 def kernel(fn, *args: torch.Tensor, **constants):
-    """fn(*args, **constants) compiled for exactly these argument shapes and dtypes (and constants),
+    """fn(*args, **constants) compiled for exactly these argument shapes, dtypes and device (and constants),
     obtained on first use and kept. Every call must pass contiguous tensors of those shapes and dtypes.
 
-    A kernel packaged by an earlier process is loaded without the compiler (aot.py); otherwise inductor
-    builds it, and the CLI hands it to a background builder for later starts (aot_build.py). Both give
-    the same bits (aot_build keeps a package only then).
+    On a CPU, a kernel packaged by an earlier process is loaded without the compiler (aot.py); otherwise
+    inductor builds it, and the CLI hands it to a background builder for later starts (aot_build.py). Both
+    give the same bits (aot_build keeps a package only then). On a GPU (gpu_decode.py) inductor builds it,
+    and its cache on disk spares most of that at later starts.
     """
-    key = (fn.__qualname__, *((tuple(a.shape), a.dtype) for a in args), *sorted(constants.items()))
+    device = args[0].device
+    key = (fn.__qualname__, device, *((tuple(a.shape), a.dtype) for a in args), *sorted(constants.items()))
     compiled = _KERNELS.get(key)
     if compiled is None:
-        compiled = aot.load(fn, args, constants)
+        stored = device.type == "cpu"  # aot.py packages CPU kernels only
+        compiled = aot.load(fn, args, constants) if stored else None
         if compiled is None:
             compiled = jit_kernel(fn, args, constants)
-            aot.remember(fn, args, constants)
+            if stored:
+                aot.remember(fn, args, constants)
         _KERNELS[key] = compiled
     return compiled
 

@@ -85,10 +85,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.route == "row-kernel" and x.numel() == self.in_features and not torch.compiler.is_compiling():
-            from .gpu_decode import glue_kernel  # (gpu_decode imports nothing of this file's)
-
             row = x.reshape(1, self.in_features).contiguous()
-            y = glue_kernel(int8_row, row, self.weight, self.scales)(row, self.weight, self.scales)
+            y = kernel(int8_row, row, self.weight, self.scales)(row, self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
         elif self.route in ("fused-cast", "row-kernel"):  # (row-kernel: more than one row)
             # Why 14 tok/s at 8B on an H100 (10x slower than bf16) with `F.linear(...) * self.scales`:

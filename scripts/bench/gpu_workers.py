@@ -37,7 +37,7 @@ from qwen3_scratch.generation.stats import bytes_per_decode_step, measure_bandwi
 PROMPT_LEN = 16
 SCHEMES = {"bfloat16": (None, None), "int8": ("int8", None), "int8cast": ("int8", "fused-cast"),
            "int8pack": ("int8", "int8pack"), "int4": ("int4", None)}  # (quantize, int8 route; None: as loaded)
-DEFAULT_INT8 = ("row-kernel", "cpu")  # what the "decode" layout picks on a GPU, on a CPU
+DEFAULT_INT8 = {"cuda": "row-kernel", "cpu": "cpu"}  # the int8 route the "decode" layout picks on each device
 # generate_tokens' arguments for each mode ("graphs-plain" also swaps the layers: layers_for)
 MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}, "graphs-plain": {"cuda_graphs": True},
          "compiled": {"compile": True}}  # fmt: skip
@@ -93,14 +93,15 @@ def layers_for(model, mode: str):
 def norm_mismatch(dim: int, device, dtype, rows: int = 4096) -> float:
     """The share of output elements in which the glue's compiled RMSNorm (gpu_decode.norm) differs from the
     eager one, over random rows of width dim (activations of a few scales, a weight near 1, as a model's are)."""
-    from qwen3_scratch.kernels.gpu_decode import glue_kernel, norm
+    from qwen3_scratch.kernels.gpu_decode import norm
+    from qwen3_scratch.kernels.matvec import kernel
     from qwen3_scratch.model.qwen3 import rms_norm
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(rows, dim, generator=g, device=device) * torch.rand(rows, 1, generator=g, device=device) * 8
     weight = (1 + 0.1 * torch.randn(dim, generator=g, device=device)).to(dtype)
     x = x.to(dtype)
-    return (glue_kernel(norm, x, weight, eps=1e-6)(x, weight) != rms_norm(x, weight, 1e-6)).float().mean().item()
+    return (kernel(norm, x, weight, eps=1e-6)(x, weight) != rms_norm(x, weight, 1e-6)).float().mean().item()
 
 
 def time_ours(model, device: str, mode: str, new_tokens: int) -> dict:
@@ -155,7 +156,7 @@ def decode_worker(args, out: Path) -> None:
             model, record["checkpoint_s"] = load_or_draw(args.size, args.device, args.weights, quantize)
             loaded = quantize
             progress(f"loaded {args.size} ({quantize or 'bf16'}) in {time.perf_counter() - start:.1f} s")
-        use_int8_route(model, route or DEFAULT_INT8[args.device != "cuda"])
+        use_int8_route(model, route or DEFAULT_INT8[torch.device(args.device).type])
         forget_graphs(model)  # a graph captured over the other route's kernels would replay them
         step_bytes = bytes_per_decode_step(model, model.config, PROMPT_LEN + args.new_tokens // 2, 1)
 
@@ -229,7 +230,7 @@ def profile_worker(args, out: Path) -> None:
             record["results"][f"profile {variant}"] = {"skipped": "--compile is for CUDA"}
             out.write_text(json.dumps(record))
             continue
-        use_int8_route(model, route or DEFAULT_INT8[args.device != "cuda"])
+        use_int8_route(model, route or DEFAULT_INT8[torch.device(args.device).type])
         forget_graphs(model)
         def measure(mode=mode, model=model):
             with layers_for(model, mode):
