@@ -12,7 +12,8 @@ included), a failure recorded and the next step run:
 
   engine flex       nano-vLLM's workload through our engine (64 requests), by the GPU default route (FlexAttention
                     over the pool in place, compiled per decode bucket, CUDA graphs), and the GPU's busy fraction
-                    over a window of its steps (torch.profiler): scripts/bench/nano_vllm_workload.py
+                    over a window of its steps (torch.profiler): scripts/bench/nano_vllm_workload.py; then
+                    with steps that read their tokens back at once (flex-sync: no async scheduling)
   engine paged      the same by the gathered route, eager (the fallback)
   int4 <largest>    int4 (tinygemm) compiled, then under graphs (the default command), and graphs over plain layers
   decode <size>     ours, bf16, batch 1 (--ours): the default command (CUDA graphs over the layers' compiled
@@ -54,7 +55,7 @@ ROOT = HERE.parent
 WORKERS = HERE / "bench" / "gpu_workers.py"
 # seconds each step may take at most, on an H100 (compiles of ~60 s at 8B; the engine's flex route compiles
 # one kernel per decode bucket); their sum exceeds --deadline on purpose: the order says what is cut
-STEPS = {"engine flex": 150, "engine paged": 110, "int4": 150, "decode": 130, "decode 8B": 150, "int8": 150,
+STEPS = {"engine flex": 220, "engine paged": 110, "int4": 150, "decode": 130, "decode 8B": 150, "int8": 150,
          "profile bf16": 120, "profile quantized": 90, "transformers": 90, "transformers 8B": 150,
          "load benchmark": 60, "cuda tests": 240}  # fmt: skip
 SMOKE_LIMIT = 60  # each step of --smoke, on a CPU
@@ -70,7 +71,7 @@ def plan(args) -> list[tuple[str, list[str] | None, str]]:
     largest, engine = sizes[-1], ([s for s in sizes if not s.endswith("8B")][:1] or sizes[:1])[0]
     work = lambda kind, size, variants: worker + [kind, "--size", size, "--variants", variants] + common  # noqa: E731
     quantized = {k: ",".join(v for v in args.quantized.split(",") if v.startswith(k)) for k in ("int4", "int8")}
-    steps = [(f"engine {route}", work("workload", engine, route), "") for route in ("flex", "paged")]
+    steps = [("engine flex", work("workload", engine, "flex,flex-sync"), ""), ("engine paged", work("workload", engine, "paged"), "")]
     steps.append((f"int4 {largest}", work("decode", largest, quantized["int4"]), ""))
     for i, size in enumerate(sizes):
         steps.append((f"decode {size}", work("decode", size, ("bfloat16/eager," if i == 0 else "") + args.ours), ""))

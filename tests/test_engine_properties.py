@@ -70,13 +70,16 @@ def inject_faults(engine: LLMEngine, forward: set, sampling: set) -> None:
     engine.runner.run, engine.append = faulty_run, faulty_append
 
 
-@given(specs=st.lists(request_specs(), min_size=2, max_size=6), ops=st.lists(OPS, max_size=30), pool=POOLS)
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+@given(specs=st.lists(request_specs(), min_size=2, max_size=6), ops=st.lists(OPS, max_size=30), pool=POOLS,
+       overlapped=st.booleans())
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
-def test_random_interleavings_lose_no_request_leak_no_block_and_match_the_simple_loop(tiny, specs, ops, pool):
+def test_random_interleavings_lose_no_request_leak_no_block_and_match_the_simple_loop(tiny, specs, ops, pool,
+                                                                                      overlapped):
+    """overlapped: async scheduling (the GPU's default), tokens read back a step late; or each step's at once."""
     model, tokenizer = tiny
     eos = model.config.eos_token_ids
-    engine = LLMEngine(model, tokenizer, eos, block_size=4, **pool)
+    engine = LLMEngine(model, tokenizer, eos, block_size=4, async_scheduling=overlapped, **pool)
     inject_faults(engine, {str(i) for i, s in enumerate(specs) if s[2] == "forward"},
                   {str(i) for i, s in enumerate(specs) if s[2] == "sampling"})  # fmt: skip
     tokens: dict[str, list[int]] = {}
@@ -103,6 +106,7 @@ def test_random_interleavings_lose_no_request_leak_no_block_and_match_the_simple
         collect(engine.step(), tokens, ends)
 
     assert not engine.has_unfinished() and not engine.sequences and not engine.texts, "nothing left in the engine"
+    assert engine.in_flight is None, "no token left on the device"
     assert engine.blocks.num_free == engine.blocks.num_blocks, "every block is back in the pool"
     assert all(block.ref_count == 0 for block in engine.blocks.blocks)
     for request_id, ended in ends.items():

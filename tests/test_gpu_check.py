@@ -108,6 +108,9 @@ def test_smoke_runs_the_engine_workload_by_both_routes(smoke):
         assert result["route"] == route and result["fallback"] is None, f"the {route} route did not run: {result}"
         assert "gpu_busy" not in result, "a CPU run has no GPU kernels to count"
         assert f"| tiny | engine/workload {route} (4 requests" in markdown
+    overlapped, at_once = (report["steps"]["engine flex"]["results"][f"engine/workload {v}"] for v in ("flex", "flex-sync"))
+    assert overlapped["async_scheduling"] is True and at_once["async_scheduling"] is False
+    assert overlapped["output_tokens"] == at_once["output_tokens"] > 0
 
 
 def test_a_failing_step_is_recorded_and_the_next_one_runs(failing):

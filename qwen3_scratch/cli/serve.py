@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}' (prompt lookup) or '{\"model\": "
                         "\"Qwen/Qwen3-0.6B\", \"num_speculative_tokens\": 4}' (a draft model with the same "
                         "tokenizer; default: none)")  # fmt: skip
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="queue each step before reading back the tokens of the step before, so that the host's "
+                        "work overlaps the GPU's (default: on a GPU)")  # fmt: skip
     p.add_argument("--request-timeout", type=float,
                    help="seconds a request may take, arrival to last token; later it is aborted with 504 (default: none)")  # fmt: skip
     p.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
@@ -77,7 +80,8 @@ def load(args: argparse.Namespace):
                kv_cache_memory_gib=args.kv_cache_memory_gib, gpu_memory_utilization=args.gpu_memory_utilization,
                num_blocks=args.num_blocks, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)  # fmt: skip
+               tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
+               async_scheduling=args.async_scheduling)  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> int:

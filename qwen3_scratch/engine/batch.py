@@ -23,11 +23,13 @@ reaches a real row: every op outside attention is per token, and attention is pe
 Shapes: N tokens, R rows, W blocks per row (the widest row's, narrower rows padded), bs block_size.
 """
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
 
 from .scheduler import Chunk
+from .transfer import to_device
 
 
 @dataclass
@@ -60,13 +62,20 @@ class PackedBatch:
 def pack(chunks: list[Chunk], block_size: int, scratch_block: int, device, wants_all: set[int] = frozenset(),
          width: int | None = None) -> PackedBatch:  # fmt: skip
     """The rows of chunks (decodes first) flattened. wants_all: ids of sequences that need the logits of every
-    new token (prompt logprobs), the others get their last token's. width: pad the tables to this many blocks."""
-    ids, positions, slots, logits_at, tables = [], [], [], [], []
+    new token (prompt logprobs), the others get their last token's. width: pad the tables to this many blocks.
+
+    A decode whose newest token is still on the device (`Sequence.pending`: drawn by the step before, not read
+    back yet) gets it there, copied into its slot of input_ids. Every host list goes to the device as one
+    tensor (transfer.to_device), so packing never waits for a step still running."""
+    ids, positions, slots, logits_at, tables, pending = [], [], [], [], [], []
     for chunk in chunks:
         seq, start, end = chunk.seq, chunk.start, chunk.end + len(chunk.proposed)
         table = seq.block_table
         first = len(ids)
         ids += chunk.new_ids
+        if seq.pending is not None and chunk.end == seq.num_tokens:  # its newest token: on the device
+            pending.append((len(ids), seq.pending))
+            ids.append(0)
         positions += range(start, end)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         # a speculative row needs the logits after its newest token and after each proposal
@@ -74,16 +83,25 @@ def pack(chunks: list[Chunk], block_size: int, scratch_block: int, device, wants
         logits_at += range(first, len(ids)) if id(seq) in wants_all else last_few
         tables.append(table[: -(-end // block_size)])
     W = max(width or 0, max(len(t) for t in tables))
-    tables = [t + [scratch_block] * (W - len(t)) for t in tables]
+    R, N = len(chunks), len(ids)
     lens = [c.end + len(c.proposed) - c.start for c in chunks]
     num_decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
     num_speculative = sum(1 for c in chunks if c.proposed)
     speculative = chunks[num_decodes : num_decodes + num_speculative]
     assert all(c.proposed for c in speculative), "speculative rows come right after the decodes"
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return PackedBatch(as_tensor([ids]), as_tensor([positions]), as_tensor(slots), as_tensor(tables),
-                       as_tensor([c.end + len(c.proposed) for c in chunks]), lens, [c.start for c in chunks], as_tensor(logits_at),
-                       num_decodes, len(chunks), num_speculative)  # fmt: skip
+    pending.sort(key=lambda p: id(p[1][0]))  # by the tensor they come from: in practice all the step before's
+    flat = ids + positions + slots + [b for t in tables for b in t + [scratch_block] * (W - len(t))]
+    flat += [c.end + len(c.proposed) for c in chunks] + logits_at
+    flat += [at for at, _ in pending] + [row for _, (_, row) in pending]
+    sizes = [N, N, N, R * W, R, len(logits_at), len(pending), len(pending)]
+    on_device = to_device(flat, device).split(sizes)
+    input_ids, positions, slots, tables, context_lens, logits_at, pending_at, pending_rows = on_device
+    for _, group in itertools.groupby(range(len(pending)), key=lambda k: id(pending[k][1][0])):
+        rows = list(group)
+        a, b, tokens = rows[0], rows[-1] + 1, pending[rows[0]][1][0]
+        input_ids.index_copy_(0, pending_at[a:b], tokens.index_select(0, pending_rows[a:b]))
+    return PackedBatch(input_ids[None], positions[None], slots, tables.view(R, W), context_lens, lens,
+                       [c.start for c in chunks], logits_at, num_decodes, R, num_speculative)  # fmt: skip
 
 
 def decode_padded(batch: PackedBatch, rows: int, scratch_block: int, block_size: int) -> PackedBatch:

@@ -14,6 +14,14 @@ retired at once, returning their blocks. With a speculative_config, decodes firs
 (prompt lookup's, or a draft model's) into the forward and keep what the target agrees with
 (speculative.py). A request with n > 1 is n sequences under one request id, told apart by their index; the second and later wait for the first one's prompt to be cached.
 
+Overlapped steps (`async_scheduling`, the default on a GPU; vLLM's async scheduling): a step draws its tokens
+on the device and leaves them there, then reads back the step before's and returns those. The next step reads
+its input ids from the device (batch.pack, transfer.py), so the host schedules, packs and queues step n+1 and
+then turns step n's tokens into text while the GPU computes. A sequence is queued for a step before the host
+knows that its newest token was EOS or completed a stop string: that row is computed and dropped. Steps whose
+rows need their token on the host before the next forward (a grammar, logit processing, logprobs,
+speculation) read it at once.
+
 The tokenizer is used only to turn each sequence's tokens into text (for stop strings and
 streaming); scheduling and the model never see text.
 
@@ -41,9 +49,10 @@ from .block_manager import BlockManager
 from .faults import Failed, ForwardHealth, each_alone
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
-from .scheduler import Chunk, ScheduledBatch, Scheduler, Sequence
+from .scheduler import Chunk, ScheduledBatch, Scheduler, Sequence, Status
 from .speculative import Speculator
 from .speculative_config import SpeculativeConfig
+from .transfer import DeviceTokens
 
 log = logging.getLogger("qwen3_scratch.engine")
 
@@ -75,10 +84,13 @@ class LLMEngine:
         max_num_batched_tokens: int = 512,
         speculative_config=None,
         draft_model: Qwen3 | None = None,
+        async_scheduling: bool | None = None,
     ):
         """speculative_config: vLLM's, as a dict or JSON (speculative_config.py): prompt lookup (speculative.py) or a
         draft model (draft_proposer.py; draft_model: that model loaded, else loaded from the config's "model").
-        None: no speculation."""
+        None: no speculation. async_scheduling: a step leaves its tokens on the device and returns the step
+        before's, so that the host's work overlaps the device's (`_overlapped`); default: on a GPU (on a CPU
+        every op has finished when it returns: nothing would overlap, and each output would come a step late)."""
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, frozenset(eos_ids)
         self.context = model.config.max_position_embeddings
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.activation_dtype)
@@ -92,6 +104,8 @@ class LLMEngine:
         self.num_aborted = 0
         self.num_failed = 0  # requests failed by a fault of their own (faults.py)
         self.forward_health = ForwardHealth()
+        self.async_scheduling = model.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self.in_flight: tuple[list[Sequence], DeviceTokens] | None = None  # an overlapped step's, not read back
         config = SpeculativeConfig.parse(speculative_config)
         self.speculator = Speculator(config, self, draft_model) if config is not None else None
 
@@ -183,13 +197,14 @@ class LLMEngine:
             self.num_aborted += 1
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still queued or running, or an overlapped step's tokens not read back yet."""
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()  # shared state: a fault here propagates (the engine is dead)
         self.num_preemptions += len(batch.preempted)
         if batch.empty:
-            return []
+            return self.read_back()  # the last overlapped step's tokens, if any
         if self.speculator is not None:
             self.speculator.propose(batch)  # decodes that find proposals carry them into the forward
         chunks = batch.decodes + batch.prefills
@@ -212,9 +227,62 @@ class LLMEngine:
                 outputs.append(self._speculated(chunk, logits))
             elif chunk.samples:
                 sampling.append((chunk.seq, logits))
+        if self.overlaps(sampling) and (overlapped := self._overlapped(sampling)) is not None:
+            return outputs + overlapped
+        outputs += self.read_back()
         tokens = each_alone(lambda some: sampler.sample([seq for seq, _ in some], [row for _, row in some]), sampling)
         for (seq, row), token in zip(sampling, tokens):
             outputs.append(self.fail(seq, token.error) if isinstance(token, Failed) else self._record_and_append(seq, row, token))
+        return outputs
+
+    def overlaps(self, sampling: list[tuple[Sequence, torch.Tensor]]) -> bool:
+        """Whether this step's tokens may stay on the device until the next step is queued: with
+        async_scheduling, when no row needs its token on the host before the next forward (a grammar's mask,
+        logit processing, logprobs) and the engine does not speculate (proposals are made from the tokens)."""
+        return self.async_scheduling and self.speculator is None and all(
+            (seq.sampling is None or not seq.sampling.active) and seq.params.logprobs is None for seq, _ in sampling
+        )
+
+    def _overlapped(self, sampling: list[tuple[Sequence, torch.Tensor]]) -> list[StepOutput] | None:
+        """Draw this step's tokens on the device and leave them there; then read back the step before's.
+
+        The next step feeds them to its forward from the device (batch.pack), so on a GPU the host's work on
+        them (text, stop strings, finishing, the StepOutputs) and its scheduling of the next step run while
+        the GPU runs this one. A sequence that the read back finishes (EOS, a stop string) may already be in
+        the step queued after: its row there is computed and dropped. Its blocks go back to the pool at once;
+        a forward still queued writes them before any later one reads them (one stream, in order). None if the
+        draw raised."""
+        seqs = [seq for seq, _ in sampling]
+        try:
+            tokens = DeviceTokens(sampler.draw(seqs, [row for _, row in sampling])) if sampling else None
+        except Exception:  # a row whose draw raises: None, and the step samples as if not overlapped (each_alone)
+            return None
+        outputs = self.read_back()
+        kept = False
+        for row, seq in enumerate(seqs):
+            if seq.status is not Status.FINISHED:  # not finished by the read back (EOS, a stop string) or failed
+                seq.pending, kept = (tokens.on_device, row), True
+        self.in_flight = (seqs, tokens) if kept else None
+        return outputs
+
+    def read_back(self) -> list[StepOutput]:
+        """The last overlapped step's tokens, read to the host and appended: what that step's outputs are."""
+        if self.in_flight is None:
+            return []
+        (seqs, tokens), self.in_flight = self.in_flight, None
+        try:
+            values = tokens.tolist()
+        except Exception as error:  # the draw's kernels failed on the device: every row of it fails
+            values = [Failed(error)] * len(seqs)
+        outputs = []
+        for seq, token in zip(seqs, values):
+            if seq.pending is None:
+                continue  # finished before its draw was kept
+            seq.pending = None
+            if seq.status is Status.FINISHED:
+                continue  # aborted, or failed in the step queued after: its token is dropped
+            failed = isinstance(token, Failed)
+            outputs.append(self.fail(seq, token.error) if failed else self._record_and_append(seq, None, token))
         return outputs
 
     def _forward(self, batch: ScheduledBatch, chunks: list[Chunk]) -> list[tuple]:
@@ -265,6 +333,8 @@ class LLMEngine:
 
     def append(self, seq: Sequence, token: int) -> StepOutput:
         seq.token_ids.append(token)
+        if seq.num_computed == len(seq.token_ids):  # read back after the step that wrote its keys was queued
+            self.scheduler.seal(seq)
         key = (seq.request_id, seq.index)
         text = self.texts.get(key)
         stopped = text.push(token) if text is not None else False

@@ -126,6 +126,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         tensor_parallel_size: int = 1,
         speculative_config: dict | str | None = None,
+        async_scheduling: bool | None = None,
     ):
         speculative_config = SpeculativeConfig.parse(speculative_config)  # refused before anything loads
         self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
@@ -163,7 +164,7 @@ class LLM:
                                             max_num_seqs, draft.config if draft is not None else None)  # fmt: skip
         self.engine = LLMEngine(
             self.model, self.tokenizer, self.eos_ids, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-            speculative_config, draft,
+            speculative_config, draft, async_scheduling,
         )
 
     @property

@@ -21,6 +21,7 @@ from qwen3_scratch.sampling.after_reasoning import GrammarAfterReasoning
 from qwen3_scratch.sampling.structured import Matcher, apply_bitmask
 
 from .scheduler import Sequence
+from .transfer import to_device
 
 
 @dataclass
@@ -61,8 +62,13 @@ def sample(seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
     """One token per sequence. Rows with the same filter share its work; each draws with its own
     generator, so a seeded request gets the same tokens whatever else is in the batch. Nothing but the
     generators changes: the caller then `record`s each sequence's token."""
-    if not seqs:
-        return []
+    return draw(seqs, rows).tolist() if seqs else []
+
+
+def draw(seqs: list[Sequence], rows: list[torch.Tensor]) -> torch.Tensor:
+    """sample's tokens as a tensor (N,) on the rows' device, read back by nobody: an overlapped step (engine.py)
+    feeds them to the next step's forward there, and reads them when that step is queued. Nothing here waits for
+    the device, unless a row asks for work that does (a grammar, logit processing, top-k)."""
     raw = torch.stack(rows)  # (N, V) the model's logits
     logits = raw
     special = [i for i, seq in enumerate(seqs) if seq.sampling is not None and seq.sampling.active]
@@ -70,39 +76,39 @@ def sample(seqs: list[Sequence], rows: list[torch.Tensor]) -> list[int]:
         logits = raw.float().clone()
         for i in special:
             logits[i] = processed_row(seqs[i], raw[i])
-    tokens, groups, greedy = [0] * len(seqs), {}, []
+    groups: dict = {}  # a filter (None: greedy) -> its rows
     for i, seq in enumerate(seqs):
         chosen = seq.params.logits_filter
-        if chosen.greedy:
-            greedy.append(i)
-        else:
-            groups.setdefault(chosen, []).append(i)
-    if greedy:  # fp32: the same argmax (bf16 widens exactly), at 16 x 151,936 2.2 ms against 4.6 ms for torch's
-        # bf16 argmax on the 2-core EPYC (docs/performance.md, serving); over the greedy rows alone
-        for i, token in zip(greedy, rows_at(logits, greedy).float().argmax(dim=-1).tolist()):
-            tokens[i] = token
+        groups.setdefault(None if chosen.greedy else chosen, []).append(i)
+    tokens = None if len(groups) == 1 else torch.empty(len(seqs), dtype=torch.long, device=raw.device)
     for params, index in groups.items():
-        probs = filter_logits(rows_at(logits, index), params).softmax(dim=-1)  # (n, V)
-        # a seeded request's rows draw from their own generators; the others' noise is drawn in one call
-        drawn = race(probs, [seqs[i].generator if seqs[i].params.seed is not None else None for i in index])
-        for i, token in zip(index, drawn):
-            tokens[i] = token
+        if params is None:  # fp32: the same argmax (bf16 widens exactly), at 16 x 151,936 2.2 ms against 4.6 ms
+            # for torch's bf16 argmax on the 2-core EPYC (docs/performance.md, serving); over the greedy rows alone
+            drawn = rows_at(logits, index).float().argmax(dim=-1)
+        else:
+            probs = filter_logits(rows_at(logits, index), params).softmax(dim=-1)  # (n, V)
+            # a seeded request's rows draw from their own generators; the others' noise is drawn in one call
+            drawn = race(probs, [seqs[i].generator if seqs[i].params.seed is not None else None for i in index])
+        if tokens is None:
+            return drawn
+        tokens.index_copy_(0, to_device(index, raw.device), drawn)
     return tokens
 
 
 def rows_at(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
     """logits' rows at index (distinct rows, in order): logits itself when that is every row. Indexing by a list
-    copies the list to the device, which on a GPU also waits for the step's forward, and copies the rows."""
-    return logits if len(index) == logits.shape[0] else logits[index]
+    copies the list to the device, which on a GPU waits for the step's forward; the index goes by
+    transfer.to_device instead."""
+    return logits if len(index) == logits.shape[0] else logits.index_select(0, to_device(index, logits.device))
 
 
-def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One draw from each row of probs (n, V): the exponential race of sampling.sample, argmax(p / E), with
     E ~ Exp(1) from the row's own generator where it has one (a seeded request: the same (V,) draw as it would
     make alone, whatever else is in the batch), and from torch's for the other rows together.
 
-    Batched: one division, one argmax and one copy to the host for all rows. Row by row (an argmax and an
-    int() each) it was 64 host syncs a step at 64 rows, which on a GPU left the card idle most of the step."""
+    Batched: one division and one argmax for all rows, left on the device. Row by row (an argmax and an int()
+    each) it was 64 host syncs a step at 64 rows, which on a GPU left the card idle most of the step."""
     unseeded = [row for row, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
         noise = exponential_noise(probs)
@@ -112,9 +118,10 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
             if g is not None:
                 noise[row].uniform_(generator=g)
         if unseeded:
-            noise[unseeded] = torch.empty_like(probs[unseeded]).uniform_()
+            at = to_device(unseeded, probs.device)
+            noise.index_copy_(0, at, probs.new_empty(len(unseeded), probs.shape[1]).uniform_())
         exponential_from_uniform_(noise)
-    return (probs / noise).argmax(dim=-1).tolist()
+    return (probs / noise).argmax(dim=-1)
 
 
 def record(seq: Sequence, raw: torch.Tensor, token: int) -> None:

@@ -57,6 +57,9 @@ class Sequence:
     after: "Sequence | None" = None  # a sibling whose prompt must be cached first, so this one shares its blocks
     sampling: object | None = None  # the sampler's per-sequence state (engine/sampler.py), if any
     speculation: object | None = None  # its prompt lookup and back-off, when the engine speculates (speculative.py)
+    # its newest token while it is still on the device: (the step's tokens, this sequence's row), set by an
+    # overlapped step (engine.py) and cleared when the host reads it back. It counts in num_tokens, not token_ids.
+    pending: tuple[torch.Tensor, int] | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -67,9 +70,19 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_tokens(self) -> int:
+        """Its tokens, the one still on the device included."""
+        return len(self.token_ids) + (self.pending is not None)
+
+    @property
     def num_uncomputed(self) -> int:
         """Tokens still to run through the model: the rest of the prompt, or just the newest token."""
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
+
+    @property
+    def last_pending(self) -> bool:
+        """Its token still on the device is its last (max_tokens): no step needs to run it."""
+        return self.pending is not None and len(self.output_ids) + 1 >= self.max_tokens
 
 
 @dataclass
@@ -85,12 +98,13 @@ class Chunk:
 
     @property
     def new_ids(self) -> list[int]:
-        """The tokens this row runs: the sequence's [start, end), then its proposals."""
+        """The tokens this row runs that the host knows: the sequence's [start, end), then its proposals (a
+        newest token still on the device is not among them: batch.pack reads it there)."""
         return self.seq.token_ids[self.start : self.end] + self.proposed
 
     @property
     def samples(self) -> bool:
-        return self.end == len(self.seq.token_ids)
+        return self.end == self.seq.num_tokens
 
 
 @dataclass
@@ -122,9 +136,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         for seq in list(self.running):  # 1. decodes
-            if seq.status is Status.RUNNING and seq.num_uncomputed == 1 and budget > 0:
+            if seq.status is Status.RUNNING and seq.num_uncomputed == 1 and budget > 0 and not seq.last_pending:
                 if self._make_room(seq, batch):
-                    batch.decodes.append(Chunk(seq, seq.num_computed, len(seq.token_ids)))
+                    batch.decodes.append(Chunk(seq, seq.num_computed, seq.num_tokens))
                     budget -= 1
         for seq in list(self.running):  # 2. prompts already started
             if seq.status is Status.RUNNING and seq.num_uncomputed > 1 and budget > 0:
@@ -133,6 +147,8 @@ class Scheduler:
         # preempted would only recompute it and preempt it again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
+            if seq.pending is not None:
+                break  # preempted with its newest token on the device: readmitted once the host has it
             if seq.after is not None and seq.after.status is not Status.FINISHED:
                 if seq.after.num_computed < seq.after.num_prompt_tokens:
                     break  # its sibling's prompt blocks are not cached yet: share them in a step or two
@@ -156,7 +172,7 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Give seq a slot for its newest token, preempting others (or seq itself) until one is free."""
-        while not self.blocks.ensure_capacity(seq.block_table, len(seq.token_ids)):
+        while not self.blocks.ensure_capacity(seq.block_table, seq.num_tokens):
             victim = self.running[-1]
             self.preempt(victim)
             batch.preempted.append(victim)
@@ -176,7 +192,11 @@ class Scheduler:
         """The step wrote chunk's keys/values: advance, and seal the blocks that are now full."""
         seq = chunk.seq
         seq.num_computed = chunk.end
-        self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+        self.seal(seq)
+
+    def seal(self, seq: Sequence) -> None:
+        """Seal seq's full blocks whose tokens the host knows (a token still on the device waits for its read)."""
+        self.blocks.seal_full_blocks(seq.block_table, seq.token_ids, min(seq.num_computed, len(seq.token_ids)))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire seq at once: its blocks go back to the pool (their hashes stay, for reuse)."""

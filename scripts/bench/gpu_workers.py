@@ -302,22 +302,25 @@ def transformers_worker(args, out: Path) -> None:
 
 
 def workload_worker(args, out: Path) -> None:
-    """nano-vLLM's benchmark workload through the engine by one attention route (--variants), with the GPU's
-    busy fraction over a window of its steps (nano_vllm_workload.py's run())."""
+    """nano-vLLM's benchmark workload through the engine by each of --variants: an attention route, "-sync" after
+    it for steps that read their tokens back at once (no async scheduling); with the GPU's busy fraction over a
+    window of its steps (nano_vllm_workload.py's run())."""
     import nano_vllm_workload as workload
     from gpu_checkpoints import load_or_draw
 
-    route = args.variants or "flex"
     record = {"size": args.size, "results": {}}
-    kwargs = {"device": args.device, "seed": 0, "route": route, "host_steps": 16}
+    kwargs = {"device": args.device, "seed": 0, "host_steps": 16}
     if args.size == "tiny":  # the smoke run: a few short requests
         kwargs |= {"num_requests": 4, "max_len": 24}
     else:  # nano-vLLM's 256 requests did not finish inside the step's 76 s on an H100 (first run): a quarter of them
         kwargs |= {"num_requests": 64}
     record["run_kwargs"] = {k: str(v) for k, v in kwargs.items()}
     model, _ = load_or_draw(args.size, args.device, args.weights, None, optimize="batch")
-    progress(f"drew {args.size}; the workload by the {route} route")
-    record_result(record, out, f"engine/workload {route}", lambda: workload.run(model, **kwargs))
+    for variant in (args.variants or "flex").split(","):
+        route, _, sync = variant.partition("-")
+        progress(f"drew {args.size}; the workload by the {route} route{', steps read at once' if sync else ''}")
+        record_result(record, out, f"engine/workload {variant}",
+                      lambda r=route, a=not sync: workload.run(model, route=r, async_scheduling=a, **kwargs))
 
 
 WORKERS = {"decode": decode_worker, "transformers": transformers_worker, "workload": workload_worker,

@@ -134,11 +134,11 @@ def busy_window(engine, requests, temperature, steps: int) -> dict:
 
 def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=0, dtype=None, temperature=0.6,
         max_num_seqs=None, max_num_batched_tokens=None, block_size=16, profile_busy=True, route=None,
-        busy_steps=24, host_steps=0) -> dict:  # fmt: skip
+        busy_steps=24, host_steps=0, async_scheduling=None) -> dict:  # fmt: skip
     """The workload once to warm up (a few requests, and every decode bucket's graph up to the request count),
     then timed. A dict of the figures. route: the engine's attention route (model_runner.py; default the
     engine's own choice); on a GPU, then `busy_steps` steps under the profiler (busy_window); `host_steps`
-    decode steps under cProfile (host_profile)."""
+    decode steps under cProfile (host_profile). async_scheduling: the engine's (default: on a GPU)."""
     cuda = torch.device(device).type == "cuda"
     if isinstance(model_path_or_model, (str, Path)):
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -150,7 +150,7 @@ def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=
     max_num_batched_tokens = max_num_batched_tokens or (8192 if cuda else 512)
     start = time.perf_counter()
     engine = LLMEngine(model, None, [], pool_blocks(model, requests, block_size, max_num_seqs), block_size,
-                       max_num_seqs, max_num_batched_tokens)  # fmt: skip
+                       max_num_seqs, max_num_batched_tokens, async_scheduling=async_scheduling)  # fmt: skip
     if route is not None:
         engine.runner = ModelRunner(model, engine.cache, route=route, max_rows=max_num_seqs)
     print(f"    workload: {num_requests} requests, pool {engine.blocks.num_blocks} blocks, route "
@@ -170,7 +170,8 @@ def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=
     wall = time.perf_counter() - start
     runner = engine.runner
     result.update(output_tokens=produced, seconds=wall, output_tok_s=produced / wall, forwards=runner.num_forwards,
-                  preemptions=engine.num_preemptions, route=runner.route, fallback=runner.fallback)  # fmt: skip
+                  preemptions=engine.num_preemptions, route=runner.route, fallback=runner.fallback,
+                  async_scheduling=engine.async_scheduling)  # fmt: skip
     for kind, (steps, seconds) in split.items():  # where the wall time went, by kind of step
         result[f"{kind}_steps"], result[f"{kind}_ms_per_step"] = steps, seconds / steps * 1e3
     if host_steps:
