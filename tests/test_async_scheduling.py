@@ -9,36 +9,13 @@ with the engine that reads each step's tokens at once (and that one with the sim
 
 import pytest
 import torch
-from checkpoints import one_thread_for_tiny_shapes
-from make_tiny_checkpoint import make_tiny_checkpoint
+from test_engine import checkpoint, model, one_thread, prompt, tokenizer  # noqa: F401 (its fixtures, the tiny model)
 
 from qwen3_scratch import load_model
 from qwen3_scratch.engine.batch import pack
 from qwen3_scratch.engine.engine import LLMEngine
 from qwen3_scratch.engine.scheduler import Chunk, Sequence
 from qwen3_scratch.sampling.params import SamplingParams
-from qwen3_scratch.text.tokenizer import Tokenizer
-
-one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_tiny_shapes)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("async") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return Tokenizer.from_checkpoint(checkpoint)
-
-
-def prompt(length, seed):
-    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def run(engine, requests, late=None):
