@@ -341,7 +341,7 @@ class LLMEngine:
         reason = None
         if stopped or token in seq.eos_ids:
             reason = "stop"
-        elif len(seq.output_ids) >= seq.max_tokens or len(seq.token_ids) >= self.context:
+        elif seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.context:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)

@@ -70,6 +70,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_output_tokens(self) -> int:
+        """len(output_ids), without copying them."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_tokens(self) -> int:
         """Its tokens, the one still on the device included."""
         return len(self.token_ids) + (self.pending is not None)
@@ -82,7 +87,7 @@ class Sequence:
     @property
     def last_pending(self) -> bool:
         """Its token still on the device is its last (max_tokens): no step needs to run it."""
-        return self.pending is not None and len(self.output_ids) + 1 >= self.max_tokens
+        return self.pending is not None and self.num_output_tokens + 1 >= self.max_tokens
 
 
 @dataclass

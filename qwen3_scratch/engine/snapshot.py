@@ -46,7 +46,7 @@ def sequence(seq: Sequence) -> dict:
         "id": seq.request_id,
         "index": seq.index,  # which of its request's n choices
         "prompt_tokens": seq.num_prompt_tokens,
-        "output_tokens": len(seq.output_ids),
+        "output_tokens": seq.num_output_tokens,
         "max_tokens": seq.max_tokens,
         "computed_tokens": seq.num_computed,  # keys/values in the cache (a prompt in chunks: growing)
         "cached_tokens": seq.num_cached_prompt,  # of the prompt, served from the prefix cache

@@ -130,7 +130,7 @@ class Speculator:
             seq.speculation = SequenceSpeculation(self.config)
         seq.speculation.probs = None
         # the run emits k + 1 tokens at most: never past max_tokens or the context
-        room = min(seq.max_tokens - len(seq.output_ids), self.engine.context - len(seq.token_ids)) - 1
+        room = min(seq.max_tokens - seq.num_output_tokens, self.engine.context - len(seq.token_ids)) - 1
         k = min(self.config.num_speculative_tokens, room)
         return k if k >= 1 and seq.speculation.backoff.ready(self.num_steps) else 0
 
