@@ -91,6 +91,8 @@ class ModelRunner:
         packed = pack(chunks, self.cache.block_size, self.cache.scratch_block, self.device, scoring)
         logits = self.forward(packed)  # (M, V)
         self.prompt_logits, out, i = {}, {}, 0
+        if not scoring and not packed.num_speculative:  # one row a chunk: its views in one call
+            return {id(chunk.seq): row for chunk, row in zip(chunks, logits.unbind(0)) if chunk.samples}
         for chunk in chunks:
             n = chunk.end - chunk.start if id(chunk.seq) in scoring else 1 + len(chunk.proposed)
             rows, i = logits[i : i + n], i + n
