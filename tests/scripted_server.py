@@ -54,7 +54,7 @@ class ScriptedRunner:
                 self.prompts.append(seq.token_ids[: seq.num_prompt_tokens])
                 self.scripts[seq.request_id] = self.queue.popleft() if self.queue else None
             ids, row = self.scripts[seq.request_id], logits.get(id(seq))
-            at = len(seq.token_ids) - seq.num_prompt_tokens  # the output token this row samples
+            at = seq.num_tokens - seq.num_prompt_tokens  # the output token this row samples
             if ids is not None and row is not None and at < len(ids):
                 row.fill_(float("-inf"))
                 row[ids[at]] = 0.0

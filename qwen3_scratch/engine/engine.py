@@ -194,7 +194,10 @@ class LLMEngine:
             for seq in choices:
                 self.texts.pop((request_id, seq.index), None)
                 self.scheduler.finish(seq, "abort")
+                seq.pending = None  # a token still on the device is dropped with it
             self.num_aborted += 1
+        if self.in_flight is not None and all(seq.pending is None for seq in self.in_flight[0]):
+            self.in_flight = None  # nobody waits for that step's tokens any more
 
     def has_unfinished(self) -> bool:
         """Requests still queued or running, or an overlapped step's tokens not read back yet."""
