@@ -190,10 +190,11 @@ def test_a_fault_in_scheduling_is_the_engines_and_propagates(tiny):
         engine.step()
 
 
-def test_the_offline_llm_raises_a_requests_fault_and_leaves_nothing_behind(tmp_path):
+@pytest.mark.parametrize("overlapped", [False, True], ids=["read_at_once", "overlapped"])
+def test_the_offline_llm_raises_a_requests_fault_and_leaves_nothing_behind(tmp_path, overlapped):
     from qwen3_scratch.engine.llm import LLM
 
-    llm = LLM(str(make_tiny_checkpoint(tmp_path / "tiny")), num_blocks=16, block_size=4)
+    llm = LLM(str(make_tiny_checkpoint(tmp_path / "tiny")), num_blocks=16, block_size=4, async_scheduling=overlapped)
     inject_faults(llm.engine, forward={"1"}, sampling=set())  # LLM numbers its requests 0, 1, ...
     with pytest.raises(RuntimeError, match="injected forward fault"):
         llm.generate([[5, 6, 7], [8, 9], [10]], SamplingParams(temperature=0, max_tokens=4))
