@@ -148,11 +148,11 @@ def test_rows_that_need_their_token_on_the_host_read_each_step_at_once(model, to
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_overlapped_steps_give_the_tokens_of_steps_read_at_once(checkpoint, tokenizer):
     """On a GPU the copies go through pinned memory and the read back waits on an event: the flex route with
-    graphs, fp32, greedy and seeded rows, a stop token; the same outputs as steps read at once."""
-    model = load_model(checkpoint, device="cuda", dtype=torch.float32, optimize="batch")
+    graphs, fp32, greedy and seeded rows; the same outputs as steps read at once."""
+    on_gpu = load_model(checkpoint, device="cuda", dtype=torch.float32, optimize="batch")
     requests = {f"g{i}": (prompt(5 + 7 * i, i), SamplingParams(temperature=0, max_tokens=20)) for i in range(5)}
     requests |= {f"s{i}": (prompt(9 + i, 50 + i), SamplingParams(temperature=0.7, max_tokens=16, seed=i, ignore_eos=True))
                  for i in range(3)}  # fmt: skip
-    (at_once, engine), (overlapped, overlapped_engine) = both(model, tokenizer, requests, num_blocks=128, block_size=16)
-    assert overlapped_engine.async_scheduling and overlapped[:3] == at_once[:3]
-    assert overlapped_engine.runner.graphs is not None and overlapped_engine.runner.graphs.replays > 0
+    (at_once, _), (overlapped, engine) = both(on_gpu, tokenizer, requests, num_blocks=128, block_size=16)
+    assert engine.async_scheduling and overlapped[:3] == at_once[:3]
+    assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
