@@ -107,6 +107,9 @@ def test_smoke_runs_the_engine_workload_by_both_routes(smoke):
         assert result["output_tok_s"] > 0 and result["output_tokens"] > 0, result
         assert result["route"] == route and result["fallback"] is None, f"the {route} route did not run: {result}"
         assert "gpu_busy" not in result, "a CPU run has no GPU kernels to count"
+        profiled = result["host_profile"]  # where the host's time goes, prefill steps and decode steps apart
+        assert profiled["prefill_steps"] >= 1 and profiled["prefill"] and profiled["decode"], profiled
+        assert all(row["own_ms_per_step"] >= 0 for row in profiled["prefill"] + profiled["decode"])
         assert f"| tiny | engine/workload {route} (4 requests" in markdown
     overlapped, at_once = (report["steps"]["engine flex"]["results"][f"engine/workload {v}"] for v in ("flex", "flex-sync"))
     assert overlapped["async_scheduling"] is True and at_once["async_scheduling"] is False

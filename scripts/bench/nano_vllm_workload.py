@@ -69,29 +69,42 @@ def generate(engine, requests, temperature, split: dict | None = None) -> int:
     return produced
 
 
-def host_profile(engine, requests, temperature, steps: int, top: int = 14) -> list[dict]:
-    """cProfile over `steps` decode steps of `requests` (after their prefills): the host functions that take
-    the longest (own time), which is where a host-bound step's time goes. The profiler slows Python itself,
-    so the shares count, not the totals."""
+def host_profile(engine, requests, temperature, steps: int, top: int = 14) -> dict:
+    """cProfile over the prefill steps of `requests`, then over `steps` decode steps: the host functions that
+    take the longest (own time), which is where a host-bound step's time goes (on a GPU, a function that waits
+    for the device shows that wait as its own time). The profiler slows Python itself, so the shares count, not
+    the totals. {"prefill": rows, "prefill_steps", "prefill_s", "decode": rows}."""
     import cProfile
-    import pstats
 
     for i, (ids, n) in enumerate(requests):
         engine.add_request(f"host{i}", ids, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
                                                            seed=i))  # fmt: skip
     scheduler = engine.scheduler
+    prefill, prefill_steps, start = cProfile.Profile(), 0, time.perf_counter()
+    prefill.enable()
     while scheduler.waiting or any(seq.num_computed < seq.num_prompt_tokens for seq in scheduler.running):
-        engine.step()  # the prefills, unprofiled
-    profiler = cProfile.Profile()
-    profiler.enable()
+        engine.step()
+        prefill_steps += 1
+    prefill.disable()
+    prefill_s = time.perf_counter() - start
+    decode = cProfile.Profile()
+    decode.enable()
     for _ in range(steps):
         if engine.has_unfinished():
             engine.step()
-    profiler.disable()
+    decode.disable()
     for i in range(len(requests)):
         engine.abort(f"host{i}")
+    return {"prefill": costliest(prefill, max(1, prefill_steps), top), "prefill_steps": prefill_steps,
+            "prefill_s": round(prefill_s, 3), "decode": costliest(decode, steps, top)}
+
+
+def costliest(profiler, steps: int, top: int) -> list[dict]:
+    """A cProfile's `top` functions by own time, per step."""
+    import pstats
+
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own, cumulative, ...)}
-    total = sum(v[2] for v in stats.values())
+    total = sum(v[2] for v in stats.values()) or 1.0
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [{"function": f"{Path(f).name}:{line} {name}", "calls_per_step": round(v[0] / steps, 1),
              "own_ms_per_step": round(v[2] / steps * 1e3, 3), "share": round(v[2] / total, 3)}
@@ -138,7 +151,8 @@ def run(model_path_or_model, device="cpu", num_requests=256, max_len=1024, seed=
     """The workload once to warm up (a few requests, and every decode bucket's graph up to the request count),
     then timed. A dict of the figures. route: the engine's attention route (model_runner.py; default the
     engine's own choice); on a GPU, then `busy_steps` steps under the profiler (busy_window); `host_steps`
-    decode steps under cProfile (host_profile). async_scheduling: the engine's (default: on a GPU)."""
+    decode steps, and the prefills before them, under cProfile (host_profile). async_scheduling: the engine's
+    (default: on a GPU)."""
     cuda = torch.device(device).type == "cuda"
     if isinstance(model_path_or_model, (str, Path)):
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
