@@ -123,8 +123,11 @@ def run(model_path_or_model, device="cpu", rows=64, steps=30, prompts=8, prompt_
     else:
         model = model_path_or_model
     vocab = model.config.vocab_size
+    # steps read at once, even on a GPU: the host's own cost a step is the figure (overlapped steps hide it behind
+    # the GPU's, and the clock's synchronisations would serialise them anyway); nano_vllm_workload.py times both
     engine = LLMEngine(model, None, [], num_blocks=rows * (-(-(prompt_len + steps + 16) // 16)) + 64, block_size=16,
-                       max_num_seqs=max(rows, prompts), max_num_batched_tokens=max(512, prompts * prompt_len))  # fmt: skip
+                       max_num_seqs=max(rows, prompts), max_num_batched_tokens=max(512, prompts * prompt_len),
+                       async_scheduling=False)  # fmt: skip
     clock = ForwardClock(model, engine.runner, device)
     result = {"device": str(device)}
     result.update(decode_overhead(engine, clock, rows, steps, prompt_len, vocab, temperature, seeded))
