@@ -23,7 +23,6 @@ reaches a real row: every op outside attention is per token, and attention is pe
 Shapes: N tokens, R rows, W blocks per row (the widest row's, narrower rows padded), bs block_size.
 """
 
-import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -89,17 +88,16 @@ def pack(chunks: list[Chunk], block_size: int, scratch_block: int, device, wants
     num_speculative = sum(1 for c in chunks if c.proposed)
     speculative = chunks[num_decodes : num_decodes + num_speculative]
     assert all(c.proposed for c in speculative), "speculative rows come right after the decodes"
-    pending.sort(key=lambda p: id(p[1][0]))  # by the tensor they come from: in practice all the step before's
     flat = ids + positions + slots + [b for t in tables for b in t + [scratch_block] * (W - len(t))]
     flat += [c.end + len(c.proposed) for c in chunks] + logits_at
     flat += [at for at, _ in pending] + [row for _, (_, row) in pending]
     sizes = [N, N, N, R * W, R, len(logits_at), len(pending), len(pending)]
     on_device = to_device(flat, device).split(sizes)
     input_ids, positions, slots, tables, context_lens, logits_at, pending_at, pending_rows = on_device
-    for _, group in itertools.groupby(range(len(pending)), key=lambda k: id(pending[k][1][0])):
-        rows = list(group)
-        a, b, tokens = rows[0], rows[-1] + 1, pending[rows[0]][1][0]
-        input_ids.index_copy_(0, pending_at[a:b], tokens.index_select(0, pending_rows[a:b]))
+    if pending:  # all drawn by the one step before (engine.py reads a step back before it keeps the next)
+        tokens = pending[0][1][0]
+        assert all(source is tokens for _, (source, _) in pending), "pending tokens come from one step"
+        input_ids.index_copy_(0, pending_at, tokens.index_select(0, pending_rows))
     return PackedBatch(input_ids[None], positions[None], slots, tables.view(R, W), context_lens, lens,
                        [c.start for c in chunks], logits_at, num_decodes, R, num_speculative)  # fmt: skip
 
