@@ -11,6 +11,7 @@ import torch
 from checkpoints import build_checkpoint, build_moe_checkpoint
 
 from qwen3_scratch import load_model
+from qwen3_scratch.engine import paged_attention
 from qwen3_scratch.engine.engine import LLMEngine
 from qwen3_scratch.generation.cuda_graph import forget_graphs
 from qwen3_scratch.generation.loops import PaddedBatch, decode_step, generate_tokens, prefill
@@ -159,8 +160,13 @@ def test_the_engines_steps_run_the_glue_for_any_token_count_with_the_plain_layer
     counts = []
     real = gpu_decode.any_length_kernel
     gpu_decode.any_length_kernel = lambda fn: (lambda *a, **k: counts.append(a[0].shape[1]) or real(fn)(*a, **k))
+    config = model.config  # the pool's in-place kernel, built as the engine's warm-up builds it
+    assert paged_attention.supported(config, "cpu", model.activation_dtype)
     try:
-        assert engine_tokens(model, prompts) == expected, dtype
+        # the kernels built for one token and for two serve every step: a recompile (seconds, on a GPU a Triton
+        # build in the engine's first prompt step) raises
+        with torch.compiler.set_stance("fail_on_recompile"):
+            assert engine_tokens(model, prompts) == expected, dtype
     finally:
         gpu_decode.any_length_kernel = real
     # steps padded to their buckets: prompt chunks (16 tokens and more) and decode rows (a few) both ran the glue

@@ -156,6 +156,31 @@ def test_the_engine_attends_in_place_and_matches_the_simple_loop_in_bf16(checkpo
         assert outputs[str(i)] == alone, f"request {i} differs from the simple loop"
 
 
+def test_one_compile_serves_the_engines_strided_queries_and_sliced_tables(model):
+    """The engine hands the kernel views: a decode row's query strides by the step's token count, and its tables
+    are a slice of wider ones. After the one compile (contiguous inputs, as the pool's warm-up builds it), such
+    views of any batch and width run without compiling again (dynamo guards strides; a recompile is seconds on
+    a CPU, at a server's first decode steps)."""
+    c = model.config
+    H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    g = torch.Generator().manual_seed(0)
+    key_blocks, value_blocks = (torch.randn(K, 12, 4, D, generator=g) for _ in range(2))
+
+    def call(B, W, N, full_width):
+        step_q = torch.randn(1, H, N, D, generator=g)  # a packed step's queries: its B decode rows come first
+        q = step_q[0].transpose(0, 1)[:B, :, None]  # (B, H, 1, D), strided as PackedView._decodes makes it
+        tables = torch.randint(0, 12, (B, full_width), generator=g)[:, :W]
+        valid = torch.ones(B, W, 4, dtype=torch.bool)
+        got = paged_attention.attend_in_place(q, key_blocks, value_blocks, tables, valid)
+        want = paged_attention.paged_decode_attention(q, key_blocks, value_blocks, tables, valid)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    call(2, 2, 2, 2)  # contiguous: compiles, or reuses this process's compile
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for B, W, N, full_width in ((3, 2, 7, 5), (1, 3, 9, 3), (5, 1, 5, 4)):
+            call(B, W, N, full_width)
+
+
 def test_past_dynamos_recompile_limit_the_kernel_runs_its_maths_uncompiled(monkeypatch):
     """A process that has compiled the kernel for as many head shapes as dynamo allows gets the same maths
     eagerly, with a warning, instead of an engine step that fails (fullgraph raises at the limit)."""

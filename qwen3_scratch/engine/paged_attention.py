@@ -72,7 +72,13 @@ def _compiled():
 
 
 def attend_in_place(q, key_blocks, value_blocks, tables, valid):
-    """paged_decode_attention, compiled; the sizes that change between calls are marked unbacked."""
+    """paged_decode_attention, compiled; the sizes that change between calls are marked unbacked.
+
+    q and the tables arrive as views whose strides change with the step (a decode row's stride is the step's
+    token count; the tables are a slice of a wider table). Strides are guarded on, so each new layout would
+    compile again (seconds on a CPU, at a server's first requests): both are made contiguous first, a copy of a
+    few hundred bytes, and the one compile serves every step."""
+    q, tables = q.contiguous(), tables.contiguous()
     mark = torch._dynamo.decorators.mark_unbacked
     for tensor, dims in ((q, (0,)), (tables, (0, 1)), (valid, (0, 1, 2)), (key_blocks, (1, 2)), (value_blocks, (1, 2))):
         for dim in dims:  # B; B, W; B, W, bs; NB, bs

@@ -146,7 +146,9 @@ def use_gpu_decoder_layers(model: Qwen3, any_length: bool = False) -> bool:
             model.build_rope_tables(device, dtype)
         for n in (1, 2) if any_length else (1,):  # one token; and several, for kernels of any count
             cache, slots = KVCache(model.config, 1, n, device, dtype), torch.arange(n, device=device)  # thrown away
-            cos, sin = model.rope_cos[slots][None], model.rope_sin[slots][None]  # (1, n, D): positions 0..n-1
+            # (1, n, D): positions 0..n-1, indexed as Qwen3.forward does (a fresh tensor, not a view: a view's
+            # base would be guarded on, and the engine's first prompt step would compile `heads` again)
+            cos, sin = model.rope_cos[slots[None]], model.rope_sin[slots[None]]
             layers[0](torch.zeros(1, n, C, dtype=dtype, device=device), cos, sin,
                       attention_mask(slots, cache.key_valid), cache, slots)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - any compiler failure: the plain layers still run
