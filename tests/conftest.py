@@ -1,6 +1,8 @@
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,24 +57,43 @@ def real_vocab_hf_tokenizer(real_vocab_folder):
     return transformers.AutoTokenizer.from_pretrained(real_vocab_folder)
 
 
-# The test session's training (docs/tiny-model.md#the-test-fixture): the target's shapes (2 layers) and optimizers
-# (Muon and AdamW) on a mix weighted to what the tests check: column addition, unit conversion (the easy family)
-# and calculator episodes. 1,000 steps, not the 600 first tuned on the AMD EPYC: the digit tables form in a narrow
-# band of steps, and another CPU's rounding moves the band (600 steps gave 90% of held-out sums on the EPYC, 37%
-# on an Intel Xeon with AMX, 500 steps 10% on the EPYC). At 1,000 the Intel gets 83%: the skill is a few hundred
-# steps past its onset on both, so the tests' bars do not depend on which CPU trained the model.
-TRAINED_TINY_STEPS = 1000
-TRAINED_TINY_LAYERS = 2
-TRAINED_TINY_MIX = {"add": 0.8, "convert": 0.06, "tool": 0.08, "repeat": 0.03, "small_talk": 0.03}
+# The test session's trained model (tests/trained_fixture.py): trained in a process of its own from the start of
+# the session, on the cycles the other tests leave idle; the modules that read it run last.
+_TRAINING = pytest.StashKey()
+
+
+def _needs_training(item) -> bool:
+    return "trained_tiny" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules with a test that reads the trained model go last, each kept whole and in its order."""
+    late = {item.path for item in items if _needs_training(item)}
+    items.sort(key=lambda item: item.path in late)  # stable
+
+
+def pytest_collection_finish(session):
+    if not session.config.option.collectonly and any(_needs_training(item) for item in session.items):
+        from trained_fixture import BackgroundTraining
+
+        folder = Path(tempfile.mkdtemp(prefix="qwen3-trained-"))
+        session.config.stash[_TRAINING] = BackgroundTraining(folder / "tiny-qwen3-trained")
+
+
+def pytest_sessionfinish(session):
+    training = session.config.stash.get(_TRAINING, None)
+    if training is not None:
+        training.stop()
+        shutil.rmtree(training.out.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def trained_tiny(tmp_path_factory):
-    """A tiny Qwen3 trained by scripts/train_tiny.py (seed 0), once per test run."""
-    import train_tiny
+def trained_tiny(request, tmp_path_factory):
+    """A tiny Qwen3 trained by scripts/train_tiny.py (seed 0), once per test run: the background training's
+    checkpoint, or (a session that collected no user of it, then asked for it) trained here."""
+    training = request.config.stash.get(_TRAINING, None)
+    if training is not None:
+        return training.result()
+    from trained_fixture import train
 
-    tokenizer = train_tiny.build_tokenizer(seed=0)
-    out = tmp_path_factory.mktemp("trained") / "tiny-qwen3-trained"
-    shapes = dict(train_tiny.TARGET, num_hidden_layers=TRAINED_TINY_LAYERS)
-    return train_tiny.train_checkpoint(out, shapes, tokenizer, TRAINED_TINY_STEPS, seed=0, name="test",
-                                       mix=TRAINED_TINY_MIX)  # fmt: skip
+    return train(tmp_path_factory.mktemp("trained") / "tiny-qwen3-trained")

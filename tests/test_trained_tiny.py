@@ -1,5 +1,5 @@
 """scripts/train_tiny.py trains a Qwen3 that learns: held-out answers, tool calls, and a checkpoint transformers
-reads as we do. The training itself runs once per test session (the `trained_tiny` fixture in conftest.py)."""
+reads as we do. The training itself runs once per test session (tests/trained_fixture.py, in the background from the session's start)."""
 
 import json
 import random
@@ -16,7 +16,7 @@ from tiny_tasks import CALCULATOR, FAMILIES, calculate, exercise, is_held_out, r
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.text.tokenizer import Tokenizer
 
-# The fixture (conftest.py, seed 0, 2 threads, 1,000 steps) gets 83% of held-out sums with thinking on (0% off) on
+# The fixture (trained_fixture.py, seed 0, 2 threads, 1,000 steps) gets 83% of held-out sums with thinking on (0% off) on
 # an Intel Xeon with AMX; at 600 steps the AMD EPYC got 90%, and the bars below were set there
 # (docs/tiny-model.md#the-test-fixture). An untrained model, or the structure-only model of the first recipe
 # (docs/performance-history.md), gets 0%.
