@@ -90,10 +90,10 @@ def pytest_sessionfinish(session):
 @pytest.fixture(scope="session")
 def trained_tiny(request, tmp_path_factory):
     """A tiny Qwen3 trained by scripts/train_tiny.py (seed 0), once per test run: the background training's
-    checkpoint, or (a session that collected no user of it, then asked for it) trained here."""
-    training = request.config.stash.get(_TRAINING, None)
-    if training is not None:
-        return training.result()
-    from trained_fixture import train
+    checkpoint (started now if the session had not started it)."""
+    if request.config.stash.get(_TRAINING, None) is None:
+        from trained_fixture import BackgroundTraining
 
-    return train(tmp_path_factory.mktemp("trained") / "tiny-qwen3-trained")
+        out = tmp_path_factory.mktemp("trained") / "tiny-qwen3-trained"
+        request.config.stash[_TRAINING] = BackgroundTraining(out)
+    return request.config.stash[_TRAINING].result()
