@@ -8,12 +8,16 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 import torch
 from make_tiny_checkpoint import make_tiny_checkpoint
+from server_process import start_server, stop_server
 
 from qwen3_scratch.checkpoint.weights import load_model
+from qwen3_scratch.engine import paged_attention
 from qwen3_scratch.generation.loops import generate_tokens
 from qwen3_scratch.kernels import aot, aot_build, fewrow, matvec
 from qwen3_scratch.sampling.logits import LogitsFilter
@@ -29,7 +33,8 @@ def kernel_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(matvec, "_KERNELS", {})
     monkeypatch.setattr(aot, "PENDING", {})
-    caches = (fewrow._library, fewrow.unavailable_reason, matvec.unavailable_reason)  # each process's first checks
+    caches = (fewrow._library, fewrow.unavailable_reason, matvec.unavailable_reason,  # each process's first checks
+              paged_attention.stored_kernel)  # fmt: skip
     for cached in caches:
         cached.cache_clear()
     yield tmp_path / "cache"
@@ -90,6 +95,63 @@ def test_int4_halves_package_bit_for_bit_and_give_the_same_tokens(tmp_path, kern
     kernels = model.model.layers[0]._kernels.values()
     assert sum(isinstance(k, aot.PackagedKernel) for k in kernels) == 2, "the int4 halves were not loaded from the cache"
     assert loaded == built_now, f"int4 tokens from stored kernels {loaded} differ from freshly built ones {built_now}"
+
+
+# The engine's greedy tokens for two prompts, in a process of its own or here; and which compiler modules it imported.
+ENGINE_RUN = """import sys
+from qwen3_scratch.engine.llm import LLM
+from qwen3_scratch.sampling.params import SamplingParams
+llm = LLM(sys.argv[1], dtype="bfloat16")
+outputs = llm.generate([[3, 17, 101, 5, 260, 42], [7, 311, 9] * 7], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+print([list(out.outputs[0].token_ids) for out in outputs])
+print(sorted(name for name in ("torch._inductor", "torch._dynamo", "sympy") if name in sys.modules))
+"""
+
+
+def test_a_servers_paged_attention_is_packaged_after_it_exits_for_any_batch_and_later_engines_compile_nothing(
+        tmp_path, kernel_cache):  # fmt: skip
+    """The engine's in-place paged attention (engine/paged_attention.py) is compiled at a server's first decode
+    step; when `qwen3-serve` exits it hands it to the background builder, which packages it once for every batch,
+    table width, pool and block size. The package equals the compiled kernel bit for bit on inputs strided as the
+    engine hands them, and a later engine decodes the compiled kernel's tokens with it, without importing the
+    compiler (a server's first request: the ~5 s of dynamo, inductor and the build)."""
+    path = make_tiny_checkpoint(tmp_path / "tiny-qwen3")
+    run = [sys.executable, "-c", ENGINE_RUN, str(path)]
+    first = subprocess.run(run, capture_output=True, text=True, env=os.environ, check=True).stdout.splitlines()
+    assert "torch._dynamo" in first[1], "the first engine run should have compiled its paged attention"
+
+    process, url = start_server(str(path), ["--dtype", "bfloat16"])
+    body = {"model": str(path), "prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+    code, _ = stop_server(process, grace=30)
+    assert code == 0 and "building" in process.stderr.read(), "the server did not hand its kernels to the builder"
+    config = load_model(path).config
+    H, K, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    assert paged_attention.stored_kernel(torch.bfloat16, torch.bfloat16, torch.long, torch.bool, H, 1, D, K) is None
+    (key,) = [key for key in aot.PENDING.values() if key["function"].endswith(":paged_decode_attention")]
+    assert [shape for shape, _ in key["args"]][3:] == [["B", "W"], ["B", "W", "bs"]], "rows and widths must be any"
+    entry = aot.entry_folder(key) / aot.ENTRY
+    deadline = time.monotonic() + 180
+    while not entry.exists() and time.monotonic() < deadline:  # the builder: after the server's exit, niced
+        time.sleep(0.5)
+    assert json.loads(entry.read_text())["verified"], "the package differs from the compiled kernel"
+    paged_attention.stored_kernel.cache_clear()
+
+    g = torch.Generator().manual_seed(1)
+    blocks = [torch.randn(K, 40, 8, D, generator=g).bfloat16() for _ in range(2)]
+    for B, W, N in ((1, 1, 1), (5, 4, 9), (12, 3, 30)):  # rows, table width, the step's tokens
+        q = torch.randn(1, H, N, D, generator=g).bfloat16()[0].transpose(0, 1)[:B, :, None]  # strided, as the engine's
+        tables = torch.randint(0, 40, (B, W + 2), generator=g)[:, :W]  # a slice of wider tables
+        valid = torch.rand(B, W, 8, generator=g) < 0.7
+        valid[:, 0, 0] = True
+        got = paged_attention.attend_in_place(q, *blocks, tables, valid)
+        assert paged_attention.stored_kernel(torch.bfloat16, torch.bfloat16, torch.long, torch.bool, H, 1, D, K) is not None
+        want = paged_attention.attend_compiled(q.contiguous(), *blocks, tables.contiguous(), valid)
+        assert torch.equal(got, want), f"rows {B}, width {W}: the package's bits differ from the compiled kernel's"
+
+    later = subprocess.run(run, capture_output=True, text=True, env=os.environ, check=True).stdout.splitlines()
+    assert later[0] == first[0], f"tokens with the stored package {later[0]} differ from the compiled kernel's {first[0]}"
+    assert later[1] == "[]", f"an engine with its paged attention stored imported {later[1]}"
 
 
 def test_the_cache_key_follows_shapes_dtype_torch_version_and_the_machine(kernel_cache, monkeypatch):

@@ -24,7 +24,7 @@ ALLOWED = {
     "sampling": {"root"},
     "parallel": {"root", "model", "kernels", "checkpoint"},
     "generation": {"root", "model", "checkpoint", "parallel", "text", "sampling"},
-    "engine": {"root", "model", "checkpoint", "parallel", "text", "sampling"},
+    "engine": {"root", "model", "kernels", "checkpoint", "parallel", "text", "sampling"},
     "server": {"root", "engine", "text", "sampling"},
     "cli": {"root", "model", "kernels", "checkpoint", "parallel", "text", "sampling", "generation", "engine", "server"},
     "entry": {"cli"},

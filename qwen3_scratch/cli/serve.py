@@ -111,6 +111,11 @@ def serve(args: argparse.Namespace) -> int:
         return serve_app(app, engine, args.host, args.port, args.read_timeout, args.shutdown_grace)
     finally:
         engine.stop()
+        from qwen3_scratch.kernels.aot_build import start_background_build
+
+        # the kernels compiled while serving (the in-place paged attention, at the first decode step), packaged
+        # once the process has exited, so that the next start's first request does not compile them
+        start_background_build()
 
 
 def main(argv=None) -> int:

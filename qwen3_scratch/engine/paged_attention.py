@@ -65,20 +65,64 @@ def paged_decode_attention(q, key_blocks, value_blocks, tables, valid):
 def _compiled():
     """One compiled function for the process: its guards are on the dtype and the static sizes (K, G, D).
     Made at the first call, not at import: torch.compile imports dynamo (~1 s of a server's start)."""
-    return torch.compile(
-        paged_decode_attention, dynamic=False, fullgraph=True,
-        options={"emulate_precision_casts": True, "assert_indirect_indexing": False},  # tables are built valid
-    )  # fmt: skip
+    return torch.compile(paged_decode_attention, dynamic=False, fullgraph=True, options=INDUCTOR_OPTIONS)
+
+
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "assert_indirect_indexing": False}  # tables are built valid
 
 
 def attend_in_place(q, key_blocks, value_blocks, tables, valid):
-    """paged_decode_attention, compiled; the sizes that change between calls are marked unbacked.
+    """paged_decode_attention, compiled: the package an earlier process stored for these heads and dtypes, else
+    torch.compile's kernel (and the package is built when the command exits: kernels/aot_build.py).
 
     q and the tables arrive as views whose strides change with the step (a decode row's stride is the step's
     token count; the tables are a slice of a wider table). Strides are guarded on, so each new layout would
     compile again (seconds on a CPU, at a server's first requests): both are made contiguous first, a copy of a
     few hundred bytes, and the one compile serves every step."""
-    q, tables = q.contiguous(), tables.contiguous()
+    args = (q.contiguous(), key_blocks, value_blocks, tables.contiguous(), valid)
+    stored = stored_kernel(q.dtype, key_blocks.dtype, tables.dtype, valid.dtype, *q.shape[1:], key_blocks.shape[0])
+    return stored(*args) if stored is not None else attend_compiled(*args)
+
+
+# The package: one for any rows (B), table width (W), pool blocks (NB) and block size (bs). Built from the first
+# sizes (exported with those four symbolic), checked bit for bit against attend_compiled at each.
+PACKAGE_SIZES = [dict(B=3, W=5, NB=10, bs=4), dict(B=16, W=33, NB=200, bs=16), dict(B=1, W=1, NB=7, bs=16),
+                 dict(B=2, W=1, NB=3, bs=1)]  # fmt: skip
+
+
+@functools.cache
+def stored_kernel(q_dtype, pool_dtype, table_dtype, valid_dtype, H: int, one: int, D: int, K: int):
+    """The stored package for these dtypes and heads, loaded without the compiler (~2 ms), or None: the process
+    then compiles the kernel, and hands it to the builder for later starts (kernels/aot.py)."""
+    from qwen3_scratch.kernels import aot
+
+    shapes = [["B", H, one, D], [K, "NB", "bs", D], [K, "NB", "bs", D], ["B", "W"], ["B", "W", "bs"]]
+    dtypes = (q_dtype, pool_dtype, pool_dtype, table_dtype, valid_dtype)
+    args = [torch.empty(0, dtype=dtype) for dtype in dtypes]  # the key reads their dtypes; the sizes are named
+    dynamic = {"shapes": shapes, "examples": f"{__name__}:package_examples", "reference": f"{__name__}:attend_compiled",
+               "sizes": PACKAGE_SIZES, "inductor": dict(INDUCTOR_OPTIONS)}  # fmt: skip
+    kernel = aot.load(paged_decode_attention, args, {}, dynamic)
+    if kernel is None:
+        aot.remember(paged_decode_attention, args, {}, dynamic)
+    return kernel
+
+
+def package_examples(shapes: list, dtypes: list, seed: int) -> list[torch.Tensor]:
+    """Inputs of the given shapes for the package's check: random queries and pool, tables of valid block ids,
+    about one slot in five masked (each row keeps its first)."""
+    g = torch.Generator().manual_seed(seed)
+    (B, H, _, D), (K, NB, bs, _) = shapes[0], shapes[1]
+    W = shapes[3][1]
+    q = torch.randn(B, H, 1, D, generator=g).to(dtypes[0])
+    key_blocks, value_blocks = (torch.randn(K, NB, bs, D, generator=g).to(dtypes[1]) for _ in range(2))
+    tables = torch.randint(0, NB, (B, W), generator=g, dtype=dtypes[3])
+    valid = torch.rand(B, W, bs, generator=g) < 0.8
+    valid[:, 0, 0] = True
+    return [q, key_blocks, value_blocks, tables, valid]
+
+
+def attend_compiled(q, key_blocks, value_blocks, tables, valid):
+    """paged_decode_attention by torch.compile; the sizes that change between calls are marked unbacked."""
     mark = torch._dynamo.decorators.mark_unbacked
     for tensor, dims in ((q, (0,)), (tables, (0, 1)), (valid, (0, 1, 2)), (key_blocks, (1, 2)), (value_blocks, (1, 2))):
         for dim in dims:  # B; B, W; B, W, bs; NB, bs

@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -76,17 +77,33 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def kernel_key(fn, args, constants: dict) -> dict:
-    """Everything a kernel's code depends on, as JSON (also what the builder needs to rebuild it)."""
-    return {
+def kernel_key(fn, args, constants: dict, dynamic: dict | None = None) -> dict:
+    """Everything a kernel's code depends on, as JSON (also what the builder needs to rebuild it).
+
+    dynamic: a kernel for any size of some dimensions (one package with dynamic shapes; aot_build.build_dynamic):
+    {"shapes": each argument's shape with a name ("B") in place of each such size, "examples", "reference":
+    "module:function" names of what makes inputs from sizes and of the compiled kernel the package must equal,
+    "sizes": the sizes it is exported at (the first) and checked at (all), "inductor": its inductor options}.
+    The arguments' own sizes then do not enter the key, only their dtypes."""
+    shapes = dynamic["shapes"] if dynamic else [list(a.shape) for a in args]
+    key = {
         "format": FORMAT,
         "function": f"{fn.__module__}:{fn.__qualname__}",
-        "args": [[list(a.shape), str(a.dtype).removeprefix("torch.")] for a in args],
+        "args": [[shape, str(a.dtype).removeprefix("torch.")] for shape, a in zip(shapes, args, strict=True)],
         "constants": {name: constants[name] for name in sorted(constants)},
         "code": code_version(),
         "machine": machine_key(),
         "torch": torch.__version__,
     }
+    if dynamic:
+        key["dynamic"] = {name: value for name, value in dynamic.items() if name != "shapes"}
+        key["code"] += module_version(fn)  # such a kernel may live outside model/ and kernels/
+    return key
+
+
+def module_version(fn) -> str:
+    """The source of the module fn is defined in."""
+    return sha(Path(sys.modules[fn.__module__].__file__).read_text())[:16]
 
 
 def entry_folder(key: dict) -> Path:
@@ -109,11 +126,11 @@ class PackagedKernel:
         return results[0] if self.outputs == 0 else tuple(results)
 
 
-def load(fn, args, constants: dict):
+def load(fn, args, constants: dict, dynamic: dict | None = None):
     """The stored kernel for fn on these arguments, or None (none stored, unverified, or not trusted)."""
     if not enabled():
         return None
-    key = kernel_key(fn, args, constants)
+    key = kernel_key(fn, args, constants, dynamic)
     folder = entry_folder(key)
     try:
         entry = json.loads((folder / ENTRY).read_text())
@@ -141,10 +158,10 @@ def discard(folder: Path) -> None:
 PENDING: dict[str, dict] = {}  # kernels this process compiled with inductor, by entry folder: built later
 
 
-def remember(fn, args, constants: dict) -> None:
+def remember(fn, args, constants: dict, dynamic: dict | None = None) -> None:
     if not enabled():
         return
-    key = kernel_key(fn, args, constants)
+    key = kernel_key(fn, args, constants, dynamic)
     PENDING[str(entry_folder(key))] = key
 
 

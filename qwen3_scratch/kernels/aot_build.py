@@ -80,6 +80,8 @@ class Kernel(torch.nn.Module):
 
 def build(key: dict) -> bool:
     """Package one kernel into its entry folder; True if it matched the inductor kernel bit for bit."""
+    if "dynamic" in key:
+        return build_dynamic(key)
     import torch._inductor  # the compiler: only this process pays its import
 
     from .matvec import inductor_options, jit_kernel
@@ -97,6 +99,44 @@ def build(key: dict) -> bool:
         outputs = 0 if isinstance(expected, torch.Tensor) else len(expected)
         got = aot.PackagedKernel(partial, outputs)(*examples)
     verified = all(torch.equal(a, b) for a, b in zip(as_tuple(expected), as_tuple(got), strict=True))
+    partial.rename(folder / aot.PACKAGE)
+    write_entry(folder, {"key": key, "sha256": aot.file_sha(folder / aot.PACKAGE), "outputs": outputs, "verified": verified})
+    return verified
+
+
+def build_dynamic(key: dict) -> bool:
+    """Package a kernel for any size of its named dimensions (aot.kernel_key's `dynamic`): exported at the first
+    sizes with those dimensions symbolic, then checked against the compiled kernel it stands in for, bit for bit,
+    at every sizes listed."""
+    import torch._inductor
+
+    fn, constants, spec = resolve(key["function"]), key["constants"], key["dynamic"]
+    make, reference = resolve(spec["examples"]), resolve(spec["reference"])
+    names = sorted({size for shape, _ in key["args"] for size in shape if isinstance(size, str)})
+    dims = {name: torch.export.Dim(name, min=1, max=2**24) for name in names}
+    dtypes = [getattr(torch, dtype) for _, dtype in key["args"]]
+
+    def inputs(sizes: dict, seed: int) -> list:
+        shapes = [[sizes[s] if isinstance(s, str) else s for s in shape] for shape, _ in key["args"]]
+        return make(shapes, dtypes, seed)
+
+    dynamic_shapes = [{i: dims[s] for i, s in enumerate(shape) if isinstance(s, str)} or None for shape, _ in key["args"]]
+    folder = aot.entry_folder(key)
+    folder.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        program = torch.export.export(Kernel(fn, constants), tuple(inputs(spec["sizes"][0], 0)),
+                                      dynamic_shapes=(tuple(dynamic_shapes),), strict=False)  # fmt: skip
+        partial = folder / ("partial-" + aot.PACKAGE)
+        options = dict(spec["inductor"])  # a copy: the packager adds its own settings to the dict it is given
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+        package, verified, outputs = None, True, 0
+        for seed, sizes in enumerate(spec["sizes"]):
+            args = inputs(sizes, seed)
+            expected = reference(*args)
+            outputs = 0 if isinstance(expected, torch.Tensor) else len(expected)
+            package = package or aot.PackagedKernel(partial, outputs)
+            got = package(*args)
+            verified &= all(torch.equal(a, b) for a, b in zip(as_tuple(expected), as_tuple(got), strict=True))
     partial.rename(folder / aot.PACKAGE)
     write_entry(folder, {"key": key, "sha256": aot.file_sha(folder / aot.PACKAGE), "outputs": outputs, "verified": verified})
     return verified
