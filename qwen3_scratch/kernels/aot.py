@@ -23,6 +23,10 @@ only if its outputs equal the inductor kernel's bit for bit on random inputs (bo
 generated code); otherwise the entry says "unverified" and every later start uses inductor. So the
 tokens never depend on which way a kernel was obtained, or on when the build finished.
 
+A kernel may also be stored for any size of some of its dimensions (`kernel_key`'s `dynamic`: one package
+exported with those sizes symbolic, checked at several): the engine's in-place paged attention, whose rows, table
+width and pool change with every step (engine/paged_attention.py).
+
 An entry is trusted only whole: entry.json must name this exact key and the package's sha256. Anything
 else (a torn write, a foreign or corrupt file, a package the loader refuses) is deleted and the kernel
 comes from inductor, so a bad cache costs time, never a wrong answer (tests/test_aot_kernels.py).
