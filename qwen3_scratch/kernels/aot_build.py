@@ -113,7 +113,7 @@ def build_dynamic(key: dict) -> bool:
     fn, constants, spec = resolve(key["function"]), key["constants"], key["dynamic"]
     make, reference = resolve(spec["examples"]), resolve(spec["reference"])
     names = sorted({size for shape, _ in key["args"] for size in shape if isinstance(size, str)})
-    dims = {name: torch.export.Dim(name, min=1, max=2**24) for name in names}
+    dims = {name: torch.export.Dim(name, min=1, max=2**31 - 1) for name in names}  # any size an int32 holds
     dtypes = [getattr(torch, dtype) for _, dtype in key["args"]]
 
     def inputs(sizes: dict, seed: int) -> list:
