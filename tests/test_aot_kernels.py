@@ -201,3 +201,15 @@ def test_a_foreign_or_unverified_entry_is_never_loaded(one_stored_kernel, tmp_pa
     (folder / aot.ENTRY).write_text(json.dumps({**entry, "verified": False}))
     assert aot.load(matvec.matvec, args, {}) is None, "a package that differed from inductor's kernel was loaded"
     assert folder.exists(), "an unverified entry is the decision to use inductor; it should stay"
+
+
+def test_a_cache_that_cannot_be_written_hands_nothing_over_and_raises_nothing(kernel_cache, tmp_path, monkeypatch):
+    """A command's exit (qwen3-serve's, after its last request) must not fail because the cache cannot be written:
+    no builder, no traceback, and every later start compiles as before."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(aot.CACHE_ENV, str(blocker / "cache"))  # a folder below a file: mkdir fails
+    aot.remember(paged_attention.paged_decode_attention, [torch.empty(0)], {})
+    assert aot.PENDING
+    assert aot_build.start_background_build() is False
+    assert not aot.PENDING

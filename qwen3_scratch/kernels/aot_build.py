@@ -38,13 +38,17 @@ def start_background_build() -> bool:
     if not aot.PENDING or not aot.enabled():
         return False
     root = aot.cache_root() / aot.machine_key()
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", dir=root, delete=False) as specs:
-        json.dump(list(aot.PENDING.values()), specs)
-    with open(root / LOG, "a") as log:
-        nice = ["nice", "-n", "19"] if shutil.which("nice") else []  # from its first instruction: the user's tokens come first
-        subprocess.Popen([*nice, sys.executable, "-c", AFTER_EXIT, str(os.getpid()), specs.name],
-                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", dir=root, delete=False) as specs:
+            json.dump(list(aot.PENDING.values()), specs)
+        with open(root / LOG, "a") as log:
+            nice = ["nice", "-n", "19"] if shutil.which("nice") else []  # from its first instruction: the user's tokens come first
+            subprocess.Popen([*nice, sys.executable, "-c", AFTER_EXIT, str(os.getpid()), specs.name],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+    except OSError:  # a cache folder that cannot be written (a read-only home): every start compiles, as before
+        aot.PENDING.clear()
+        return False
     print(f"[building {len(aot.PENDING)} CPU kernels ahead of time in the background, paid once per machine, model "
           f"shapes, dtype and torch version; later starts load them without the compiler: {root}]", file=sys.stderr)  # fmt: skip
     aot.PENDING.clear()
