@@ -127,7 +127,7 @@ def test_a_servers_paged_attention_is_packaged_after_it_exits_for_any_batch_and_
     assert code == 0 and "building" in process.stderr.read(), "the server did not hand its kernels to the builder"
     config = load_model(path).config
     H, K, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    assert paged_attention.stored_kernel(torch.bfloat16, torch.bfloat16, torch.long, torch.bool, H, 1, D, K) is None
+    assert paged_attention.stored_kernel(torch.bfloat16, torch.bfloat16, torch.long, torch.bool, H, D, K) is None
     (key,) = [key for key in aot.PENDING.values() if key["function"].endswith(":paged_decode_attention")]
     assert [shape for shape, _ in key["args"]][3:] == [["B", "W"], ["B", "W", "bs"]], "rows and widths must be any"
     entry = aot.entry_folder(key) / aot.ENTRY
@@ -145,7 +145,7 @@ def test_a_servers_paged_attention_is_packaged_after_it_exits_for_any_batch_and_
         valid = torch.rand(B, W, 8, generator=g) < 0.7
         valid[:, 0, 0] = True
         got = paged_attention.attend_in_place(q, *blocks, tables, valid)
-        assert paged_attention.stored_kernel(torch.bfloat16, torch.bfloat16, torch.long, torch.bool, H, 1, D, K) is not None
+        assert paged_attention.stored_kernel(torch.bfloat16, torch.bfloat16, torch.long, torch.bool, H, D, K) is not None
         want = paged_attention.attend_compiled(q.contiguous(), *blocks, tables.contiguous(), valid)
         assert torch.equal(got, want), f"rows {B}, width {W}: the package's bits differ from the compiled kernel's"
 

@@ -87,7 +87,8 @@ def attend_in_place(q, key_blocks, value_blocks, tables, valid):
     compile again (seconds on a CPU, at a server's first requests): both are made contiguous first, a copy of a
     few hundred bytes, and the one compile serves every step."""
     args = (q.contiguous(), key_blocks, value_blocks, tables.contiguous(), valid)
-    stored = stored_kernel(q.dtype, key_blocks.dtype, tables.dtype, valid.dtype, *q.shape[1:], key_blocks.shape[0])
+    H, D, K = q.shape[1], q.shape[3], key_blocks.shape[0]
+    stored = stored_kernel(q.dtype, key_blocks.dtype, tables.dtype, valid.dtype, H, D, K)
     return stored(*args) if stored is not None else attend_compiled(*args)
 
 
@@ -98,12 +99,12 @@ PACKAGE_SIZES = [dict(B=3, W=5, NB=10, bs=4), dict(B=16, W=33, NB=200, bs=16), d
 
 
 @functools.cache
-def stored_kernel(q_dtype, pool_dtype, table_dtype, valid_dtype, H: int, one: int, D: int, K: int):
+def stored_kernel(q_dtype, pool_dtype, table_dtype, valid_dtype, H: int, D: int, K: int):
     """The stored package for these dtypes and heads, loaded without the compiler (~2 ms), or None: the process
     then compiles the kernel, and hands it to the builder for later starts (kernels/aot.py)."""
     from qwen3_scratch.kernels import aot
 
-    shapes = [["B", H, one, D], [K, "NB", "bs", D], [K, "NB", "bs", D], ["B", "W"], ["B", "W", "bs"]]
+    shapes = [["B", H, 1, D], [K, "NB", "bs", D], [K, "NB", "bs", D], ["B", "W"], ["B", "W", "bs"]]
     dtypes = (q_dtype, pool_dtype, pool_dtype, table_dtype, valid_dtype)
     args = [torch.empty(0, dtype=dtype) for dtype in dtypes]  # the key reads their dtypes; the sizes are named
     dynamic = {"shapes": shapes, "examples": f"{__name__}:package_examples", "reference": f"{__name__}:attend_compiled",

@@ -8,6 +8,6 @@ kernels on disk as AOTInductor packages, so a later start loads them without the
 builds them, once, in the background). Each module says what it buys, measured, and
 which test proves it equals the exact path (the model's own layers, model/).
 
-May import: model, the package root. Imported by: checkpoint (load_model applies the layout), parallel (so does each rank), engine (aot.py: the
-in-place paged attention's stored package).
+May import: model, the package root. Imported by: checkpoint (load_model applies the layout), parallel (so does
+each rank), engine (aot.py: the in-place paged attention's stored package).
 """
