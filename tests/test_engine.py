@@ -339,6 +339,25 @@ def test_llm_generate_and_chat_in_vllms_shape(checkpoint, model):
     assert llm.engine.blocks.num_free == 64
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_llm_for_one_or_two_requests_at_a_time_runs_the_one_row_layout_with_the_simple_loops_tokens(checkpoint, dtype):
+    """On a CPU, an engine of at most two rows a step (a person's own server) runs the CLI's one-row kernels
+    (engine.llm.engine_layout: faster there, less memory): greedy tokens as the simple loop's over the same
+    layout, prompt chunks and decode rows packed as ever; a wider engine keeps the batch layout."""
+    from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer
+
+    prompts = [[3, 17, 101, 5, 260, 42, 7], [9, 8, 7] * 9, [11, 12]]
+    for max_num_seqs in (1, 2):
+        llm = LLM(str(checkpoint), dtype=dtype, num_blocks=64, block_size=8, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=16)  # fmt: skip
+        assert all(type(layer) is CPUDecoderLayer for layer in llm.model.model.layers), "not the one-row layout"
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        for ids, out in zip(prompts, outputs, strict=True):
+            assert out.outputs[0].token_ids == alone(llm.model, ids, 10), f"{dtype}, {max_num_seqs} at a time: {ids}"
+    wide = LLM(str(checkpoint), dtype=dtype, num_blocks=64, block_size=8, max_num_seqs=3)
+    assert not any(isinstance(layer, CPUDecoderLayer) for layer in wide.model.model.layers)
+
+
 def test_an_int8_model_keeps_its_kv_pool_in_the_activations_dtype_and_matches_the_simple_loop(checkpoint, tokenizer):
     # An int8 lm_head's weight is int8; the pool must take the embedding's dtype, or every key is truncated.
     quantized = load_model(checkpoint, dtype="bfloat16", optimize="batch", quantize="int8")

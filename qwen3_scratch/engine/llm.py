@@ -105,6 +105,21 @@ def gpu_kv_memory_gib(config, device, utilization: float, max_num_batched_tokens
     return budget / GIB
 
 
+# Most rows a CPU engine's step has where the one-row layout is the faster one (engine_layout).
+ONE_ROW_LAYOUT_MAX_SEQS = 2
+
+
+def engine_layout(device: torch.device, max_num_seqs: int, tensor_parallel_size: int = 1) -> str:
+    """The model's layout for the engine (kernels/layout.py): "batch" (q/k/v and gate/up fused, every matrix
+    reordered for oneDNN, whose products are fastest once a step has many rows), except on a CPU serving at
+    most ONE_ROW_LAYOUT_MAX_SEQS requests at a time (a person's own server): "decode", the CLI's one-row kernels
+    over the checkpoint's own mapped matrices. There, 0.6B shapes, bf16, AMD EPYC, 2 threads, a decode step at
+    1 / 2 / 4 / 16 rows took 55 / 66 / 78 / 205 ms against 71-88 / 86 / 79 / 127 with "batch", prefill as fast,
+    1.9 GB of memory against 3.1 (docs/performance.md). The tokens are the same either way (float rounding)."""
+    one_row = device.type == "cpu" and max_num_seqs <= ONE_ROW_LAYOUT_MAX_SEQS and tensor_parallel_size == 1
+    return "decode" if one_row else "batch"
+
+
 class LLM:
     def __init__(
         self,
@@ -132,10 +147,11 @@ class LLM:
         self.checkpoint = resolve_checkpoint(model, weights_dir, local_files_only=local_files_only, revision=revision,
                                              verify=verify)  # fmt: skip
         device = pick_device(device)
-        # Laid out for batches: q/k/v and gate/up fused, matrices prepacked on a CPU (kernels/fuse.py), or
-        # quantized: "int8" or "int4" (kernels/quantize.py, kernels/int4.py), computed now.
-        # tensor_parallel_size > 1: split over that many processes (parallel/); the KV pool is then per rank.
-        layout = dict(optimize="batch", quantize=quantize, quantize_group_size=quantize_group_size)
+        # Laid out for batches (engine_layout), quantized to "int8" or "int4" (kernels/quantize.py,
+        # kernels/int4.py) now. tensor_parallel_size > 1: split over that many processes (parallel/); the KV pool
+        # is then per rank.
+        optimize = engine_layout(torch.device(device), max_num_seqs, tensor_parallel_size)
+        layout = dict(optimize=optimize, quantize=quantize, quantize_group_size=quantize_group_size)
         if tensor_parallel_size != 1:  # (0 or -1 are refused there, in one line)
             self.model = load_parallel_model(self.checkpoint, tensor_parallel_size, device, pick_dtype(dtype, device),
                                              **layout)  # fmt: skip
