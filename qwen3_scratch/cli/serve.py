@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the GPU's memory weights, activations and KV pool may use, as vLLM's (default %(default)s)")
     p.add_argument("--num-blocks", type=int, help="KV blocks in the pool (default: from --kv-cache-memory-gib)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="requests in the running batch at most (default %(default)s); 1 or 2 on a CPU runs the "
+                        "CLI's one-row kernels, faster for one person's use")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens computed per step at most (default %(default)s)")  # fmt: skip
     p.add_argument("--speculative-config", metavar="JSON",
