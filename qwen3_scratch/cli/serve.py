@@ -94,9 +94,11 @@ def serve(args: argparse.Namespace) -> int:
             from qwen3_scratch.server.process import serve_without_engine
         except ImportError as error:
             raise Qwen3Error(f"the server needs FastAPI and uvicorn ({error}): pip install -e \".[serve]\"") from error
-        from qwen3_scratch.server.async_engine import AsyncEngine
+        from qwen3_scratch.server.async_engine import start_where_loaded
 
-        llm = load(args)
+        # loaded on the engine's own thread, which then steps it (start_where_loaded says why)
+        llm, engine = start_where_loaded(lambda: load(args), request_timeout=args.request_timeout,
+                                         step_timeout=args.step_timeout)  # fmt: skip
     name = args.served_model_name or args.model
     if llm.is_embedding_model:  # Qwen3-Embedding: /v1/embeddings only, no engine thread, no KV pool
         print("embedding checkpoint: serving /v1/embeddings", file=sys.stderr)
@@ -106,7 +108,6 @@ def serve(args: argparse.Namespace) -> int:
     blocks = llm.engine.blocks
     print(f"KV pool: {blocks.num_blocks} blocks x {blocks.block_size} tokens = {blocks.num_blocks * blocks.block_size} "
           f"token slots (context {llm.engine.context})", file=sys.stderr)  # fmt: skip
-    engine = AsyncEngine(llm.engine, request_timeout=args.request_timeout, step_timeout=args.step_timeout).start()
     app = build_app(engine, llm.tokenizer, args.served_model_name or args.model, llm.get_default_sampling_params(),
                     api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout=args.read_timeout)  # fmt: skip
     try:

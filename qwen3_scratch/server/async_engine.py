@@ -62,6 +62,35 @@ class RequestTimedOut(ServingFault):
     status, type, code = 504, "timeout", "request_timeout"
 
 
+def start_where_loaded(load, **options) -> tuple:
+    """(load()'s LLM, its AsyncEngine running, or None for an embedding model): load() builds the LLM on a new
+    thread, which then runs the engine's steps, so the model is loaded, warmed up and stepped on one thread.
+    torch's OpenMP keeps a thread pool per thread that ran parallel work, and steps run on a thread other than
+    the one that loaded the model took 1.2-1.9x as long (docs/performance.md, "Found ... the engine is slower on a
+    thread other than the one that loaded the model"). What load() raises (a bad flag or file) is raised here,
+    in the caller's thread; options go to AsyncEngine."""
+    handoff: queue.Queue = queue.Queue()
+
+    def engine_thread() -> None:
+        try:
+            llm = load()
+            engine = None if llm.is_embedding_model else AsyncEngine(llm.engine, **options)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, who reports it
+            handoff.put(error)
+            return
+        handoff.put((llm, engine))
+        if engine is not None:
+            engine.thread = threading.current_thread()
+            engine.watchdog.start()
+            engine._run()
+
+    threading.Thread(target=engine_thread, name="qwen3-engine", daemon=True).start()
+    result = handoff.get()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None, request_timeout: float | None = None,
                  on_fatal=None, step_timeout: float | None = DEFAULT_STEP_TIMEOUT):  # fmt: skip
