@@ -102,6 +102,9 @@ def scripted_server(checkpoint, api_key: str | None = API_KEY):
     torch.set_num_threads(1)  # tiny matmuls: a second thread only adds waits on a shared 2-core machine
     llm = LLM(str(checkpoint), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     llm.engine.runner = ScriptedRunner(llm.engine.runner)
+    # the pool's in-place kernel built now, not at the first decode step of a test: in a process that had not
+    # built it yet, that step took seconds, and an /engine/state polled meanwhile timed out (httpx's 5 s)
+    _ = llm.engine.cache.in_place
     engine = AsyncEngine(llm.engine).start()
     app = build_app(engine, llm.tokenizer, MODEL, llm.get_default_sampling_params(), api_key=api_key)
     try:

@@ -80,9 +80,7 @@ def start_where_loaded(load, **options) -> tuple:
             return
         handoff.put((llm, engine))
         if engine is not None:
-            engine.thread = threading.current_thread()
-            engine.watchdog.start()
-            engine._run()
+            engine.run_here()
 
     threading.Thread(target=engine_thread, name="qwen3-engine", daemon=True).start()
     result = handoff.get()
@@ -112,6 +110,12 @@ class AsyncEngine:
         self.thread.start()
         self.watchdog.start()
         return self
+
+    def run_here(self) -> None:
+        """The engine loop on the calling thread instead of a new one (start_where_loaded), until stop()."""
+        self.thread = threading.current_thread()
+        self.watchdog.start()
+        self._run()
 
     def stop(self) -> None:
         self._stop.set()
