@@ -19,7 +19,7 @@ from server_process import start_server, stop_server
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.engine import paged_attention
 from qwen3_scratch.generation.loops import generate_tokens
-from qwen3_scratch.kernels import aot, aot_build, fewrow, matvec
+from qwen3_scratch.kernels import aot, aot_build, fewrow, gpu_decode, matvec
 from qwen3_scratch.sampling.logits import LogitsFilter
 
 GREEDY = LogitsFilter(temperature=0.0)
@@ -34,7 +34,7 @@ def kernel_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(matvec, "_KERNELS", {})
     monkeypatch.setattr(aot, "PENDING", {})
     caches = (fewrow._library, fewrow.unavailable_reason, matvec.unavailable_reason,  # each process's first checks
-              paged_attention.stored_kernel)  # fmt: skip
+              paged_attention.stored_kernel, gpu_decode._stored)  # fmt: skip
     for cached in caches:
         cached.cache_clear()
     yield tmp_path / "cache"
@@ -108,17 +108,18 @@ print(sorted(name for name in ("torch._inductor", "torch._dynamo", "sympy") if n
 """
 
 
-def test_a_servers_paged_attention_is_packaged_after_it_exits_for_any_batch_and_later_engines_compile_nothing(
+def test_a_servers_paged_attention_and_glue_are_packaged_after_it_exits_for_any_batch_and_later_engines_compile_nothing(
         tmp_path, kernel_cache):  # fmt: skip
     """The engine's in-place paged attention (engine/paged_attention.py) is compiled at a server's first decode
-    step; when `qwen3-serve` exits it hands it to the background builder, which packages it once for every batch,
-    table width, pool and block size. The package equals the compiled kernel bit for bit on inputs strided as the
-    engine hands them, and a later engine decodes the compiled kernel's tokens with it, without importing the
-    compiler (a server's first request: the ~5 s of dynamo, inductor and the build)."""
+    step, and its layers' glue (kernels/gpu_decode.py: four kernels a layer) at its load; when `qwen3-serve` exits
+    it hands them to the background builder, which packages each once for every batch, token count, table width,
+    pool and block size. The attention's package equals the compiled kernel bit for bit on inputs strided as the
+    engine hands them, and a later engine decodes the compiled kernels' tokens with the packages, without importing
+    the compiler (a server's first request: the ~5 s of dynamo, inductor and the build; its load: ~7 s more)."""
     path = make_tiny_checkpoint(tmp_path / "tiny-qwen3")
     run = [sys.executable, "-c", ENGINE_RUN, str(path)]
     first = subprocess.run(run, capture_output=True, text=True, env=os.environ, check=True).stdout.splitlines()
-    assert "torch._dynamo" in first[1], "the first engine run should have compiled its paged attention"
+    assert "torch._dynamo" in first[1], "the first engine run should have compiled its paged attention and glue"
 
     process, url = start_server(str(path), ["--dtype", "bfloat16"])
     body = {"model": str(path), "prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -130,11 +131,16 @@ def test_a_servers_paged_attention_is_packaged_after_it_exits_for_any_batch_and_
     assert paged_attention.stored_kernel(torch.bfloat16, torch.bfloat16, torch.long, torch.bool, H, D, K) is None
     (key,) = [key for key in aot.PENDING.values() if key["function"].endswith(":paged_decode_attention")]
     assert [shape for shape, _ in key["args"]][3:] == [["B", "W"], ["B", "W", "bs"]], "rows and widths must be any"
-    entry = aot.entry_folder(key) / aot.ENTRY
-    deadline = time.monotonic() + 180
-    while not entry.exists() and time.monotonic() < deadline:  # the builder: after the server's exit, niced
+    wanted = {"paged_decode_attention", "heads", "norm", "residual_norm", "swiglu"}  # the glue: gpu_decode.py's
+
+    def stored() -> dict[str, bool]:  # function -> verified, of the entries the builder has written so far
+        entries = [json.loads(e.read_text()) for e in (aot.cache_root() / aot.machine_key()).glob("*/" + aot.ENTRY)]
+        return {entry["key"]["function"].split(":")[1]: entry["verified"] for entry in entries}
+
+    deadline = time.monotonic() + 300
+    while not wanted <= stored().keys() and time.monotonic() < deadline:  # the builder: after the exit, niced
         time.sleep(0.5)
-    assert json.loads(entry.read_text())["verified"], "the package differs from the compiled kernel"
+    assert stored() == dict.fromkeys(wanted, True), f"packages built and verified: {stored()}"
     paged_attention.stored_kernel.cache_clear()
 
     g = torch.Generator().manual_seed(1)
@@ -151,7 +157,7 @@ def test_a_servers_paged_attention_is_packaged_after_it_exits_for_any_batch_and_
 
     later = subprocess.run(run, capture_output=True, text=True, env=os.environ, check=True).stdout.splitlines()
     assert later[0] == first[0], f"tokens with the stored package {later[0]} differ from the compiled kernel's {first[0]}"
-    assert later[1] == "[]", f"an engine with its paged attention stored imported {later[1]}"
+    assert later[1] == "[]", f"an engine with its paged attention and glue stored imported {later[1]}"
 
 
 def test_the_cache_key_follows_shapes_dtype_torch_version_and_the_machine(kernel_cache, monkeypatch):

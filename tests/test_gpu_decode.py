@@ -149,10 +149,26 @@ def engine_tokens(model, prompts, n=10, block_size=8):
     return list(out.values())
 
 
+@pytest.fixture
+def stored_kernels_on(tmp_path, monkeypatch):
+    """Stored kernels turned on, in an empty cache of this test's own: a CPU engine's layers compile their glue
+    (as a first start does, until the packages are stored), rather than run it eagerly (the suite's setting)."""
+    from qwen3_scratch.kernels import aot
+
+    monkeypatch.setenv("QWEN3_SCRATCH_AOT", "1")
+    monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(aot, "PENDING", {})
+    gpu_decode._stored.cache_clear()
+    yield
+    gpu_decode._stored.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_engines_steps_run_the_glue_for_any_token_count_with_the_plain_layers_tokens(checkpoint, dtype):
-    """The "batch" layout on a GPU: every engine step (prompt chunks of up to 16 tokens and decode rows, packed
-    as one sequence) runs the glue by kernels compiled once for any token count."""
+def test_the_engines_steps_run_the_glue_for_any_token_count_with_the_plain_layers_tokens(checkpoint, dtype,
+                                                                                         stored_kernels_on):  # fmt: skip
+    """The "batch" layout (a GPU's, and a CPU's until its packages are stored): every engine step (prompt chunks of
+    up to 16 tokens and decode rows, packed as one sequence) runs the glue by kernels compiled once for any token
+    count."""
     model = load_model(checkpoint, dtype=dtype)
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1][:5]]
     expected = engine_tokens(model, prompts)

@@ -25,7 +25,8 @@ tokens never depend on which way a kernel was obtained, or on when the build fin
 
 A kernel may also be stored for any size of some of its dimensions (`kernel_key`'s `dynamic`: one package
 exported with those sizes symbolic, checked at several): the engine's in-place paged attention, whose rows, table
-width and pool change with every step (engine/paged_attention.py).
+width and pool change with every step (engine/paged_attention.py), and the ops between a CPU engine layer's
+products, for any number of tokens (gpu_decode.py).
 
 An entry is trusted only whole: entry.json must name this exact key and the package's sha256. Anything
 else (a torn write, a foreign or corrupt file, a package the loader refuses) is deleted and the kernel
@@ -86,7 +87,8 @@ def kernel_key(fn, args, constants: dict, dynamic: dict | None = None) -> dict:
 
     dynamic: a kernel for any size of some dimensions (one package with dynamic shapes; aot_build.build_dynamic):
     {"shapes": each argument's shape with a name ("B") in place of each such size, "examples", "reference":
-    "module:function" names of what makes inputs from sizes and of the compiled kernel the package must equal,
+    "module:function" names of what makes inputs from sizes and of the compiled kernel the package must equal
+    ("torch.compile": fn compiled for any size with the options below),
     "sizes": the sizes it is exported at (the first) and checked at (all), "inductor": its inductor options}.
     The arguments' own sizes then do not enter the key, only their dtypes."""
     shapes = dynamic["shapes"] if dynamic else [list(a.shape) for a in args]

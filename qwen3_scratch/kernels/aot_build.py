@@ -115,7 +115,11 @@ def build_dynamic(key: dict) -> bool:
     import torch._inductor
 
     fn, constants, spec = resolve(key["function"]), key["constants"], key["dynamic"]
-    make, reference = resolve(spec["examples"]), resolve(spec["reference"])
+    make = resolve(spec["examples"])
+    if spec["reference"] == "torch.compile":  # fn as torch.compile builds it for any size, with these options
+        reference = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(spec["inductor"]))
+    else:
+        reference = resolve(spec["reference"])
     names = sorted({size for shape, _ in key["args"] for size in shape if isinstance(size, str)})
     dims = {name: torch.export.Dim(name, min=1, max=2**31 - 1) for name in names}  # any size an int32 holds
     dtypes = [getattr(torch, dtype) for _, dtype in key["args"]]
@@ -136,7 +140,7 @@ def build_dynamic(key: dict) -> bool:
         package, verified, outputs = None, True, 0
         for seed, sizes in enumerate(spec["sizes"]):
             args = inputs(sizes, seed)
-            expected = reference(*args)
+            expected = reference(*args, **constants)
             outputs = 0 if isinstance(expected, torch.Tensor) else len(expected)
             package = package or aot.PackagedKernel(partial, outputs)
             got = package(*args)

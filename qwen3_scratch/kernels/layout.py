@@ -16,7 +16,7 @@ nothing touches the checkpoint's keys: every transform swaps modules in memory, 
 Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch"; on a GPU "decode" then
 also runs the ops between the products as four compiled kernels a layer (gpu_decode.py), which is what a
 decode step replayed from a CUDA graph is made of; "batch" there does the same for every step, by kernels
-compiled for any number of tokens.
+compiled for any number of tokens, and on a CPU by the same kernels once they are stored (aot.py).
 `quantize="int8"` stores every matrix as int8 with per-row scales (quantize.py), `quantize="int4"` as int4
 with a scale and zero point per group of `group_size` weights (int4.py), in either layout.
 """
@@ -57,6 +57,7 @@ def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None,
         # the same on a GPU, around cuBLAS's products; where inductor cannot build kernels, all as it was
         if not use_gpu_decoder_layers(model) and quantize == "int8":
             use_int8_route(model, "fused-cast")
-    elif optimize == "batch" and model.device.type == "cuda":
-        use_gpu_decoder_layers(model, any_length=True)  # the engine's steps: any number of tokens packed
+    elif optimize == "batch":
+        # the engine's steps, any number of tokens packed: on a GPU compiled kernels, on a CPU stored ones
+        use_gpu_decoder_layers(model, any_length=True)
     return model

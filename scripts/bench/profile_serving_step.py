@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
 
 from qwen3_scratch.checkpoint.placement import pick_dtype  # noqa: E402
 from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
+from qwen3_scratch.engine import sampler  # noqa: E402
 from qwen3_scratch.engine.engine import LLMEngine  # noqa: E402
 from qwen3_scratch.engine.model_runner import ModelRunner  # noqa: E402
 from qwen3_scratch.engine.paged_cache import PagedKVCache  # noqa: E402
@@ -40,7 +41,7 @@ from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch  # noqa: E402
 from qwen3_scratch.sampling.params import SamplingParams  # noqa: E402
 
 # aten op name -> kind; anything else is "other ops". Compiled kernels show up under their graph's name.
-TOP = 0
+TOP = 25
 KINDS = {
     "mkldnn::_linear_pointwise": "weight products", "aten::linear": "weight products", "aten::addmm": "weight products",
     "aten::mm": "weight products", "aten::_weight_int8pack_mm": "weight products",
@@ -136,7 +137,7 @@ def main(argv=None):
           f"ratios to contiguous {paged / contiguous:.2f} and {gathered / contiguous:.2f}")  # fmt: skip
     logits = steps["paged"]()
     seqs = [c.seq for c in chunks]
-    sampled = [profiled(lambda: engine.sample(seqs, list(logits)))["total (profiled)"] for _ in range(5)]
+    sampled = [profiled(lambda: sampler.sample(seqs, list(logits)))["total (profiled)"] for _ in range(5)]
     profiles = {name: profiled(fn) for name, fn in steps.items()}
     kinds = sorted({k for p in profiles.values() for k in p}, key=lambda k: (k.startswith("total"), k))
     print(f"{'ms per step (profiled)':40s} " + " ".join(f"{name:>11s}" for name in profiles))
