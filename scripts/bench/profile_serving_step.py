@@ -41,7 +41,7 @@ from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch  # noqa: E402
 from qwen3_scratch.sampling.params import SamplingParams  # noqa: E402
 
 # aten op name -> kind; anything else is "other ops". Compiled kernels show up under their graph's name.
-TOP = 25
+TOP = 0
 KINDS = {
     "mkldnn::_linear_pointwise": "weight products", "aten::linear": "weight products", "aten::addmm": "weight products",
     "aten::mm": "weight products", "aten::_weight_int8pack_mm": "weight products",
