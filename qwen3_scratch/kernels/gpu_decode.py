@@ -35,9 +35,9 @@ step this way, by kernels torch.compile builds once for any token count: nano-vL
 anything off the device the layers were set up for.
 
 A CPU engine's layers ("batch" layout) run the same four kernels, stored as AOTInductor packages (kernels/aot.py),
-one per kernel for any rows and tokens: there they save the ~20 eager ops of a layer's glue (a 16-row decode step
-of the 0.6B shapes, bf16, AMD EPYC: 177 -> 150 ms), where torch.compile's kernels lose part of that to dynamo's
-guards, four calls a layer. A process that finds no package compiles them (~7 s at load, once per machine, shapes
+one per kernel for any rows and tokens: there they save the ~20 eager ops of a layer's glue (a decode step of the
+0.6B shapes at 4-32 rows, bf16, AMD EPYC: 8-18% shorter; scripts/bench/engine_glue.py), where torch.compile's
+kernels lose part of that to dynamo's guards, four calls a layer. A process that finds no package compiles them (~7 s at load, once per machine, shapes
 and torch) and hands them to the background builder, which keeps a package only if it equals the compiled kernel
 bit for bit: the tokens do not depend on whether the packages were built yet. (Not eager meanwhile: a norm's sum
 of squares in inductor's order differs in the last bit, and one bf16 element in ~400,000 then rounds the other
