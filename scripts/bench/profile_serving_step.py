@@ -10,10 +10,12 @@ then times --steps decode steps of --rows rows at --context cached tokens, alter
 runner over the paged pool (attending in place; the cache holds zeros: the time does not depend on the
 values), a runner that gathers each row's blocks instead, and the static contiguous cache of the simple
 loop, and runs each once more under torch.profiler. Ops are summed into a few kinds: the weight products
-(oneDNN), attention (its matmuls and softmax, or the compiled in-place kernel; apart, what calling a
-compiled function costs), the pool's gather and writes, the other ops (norms, RoPE, SwiGLU, the
-embedding, masks), and what no op accounts for (Python, the runner's bookkeeping, dispatch). Sampling
-is timed on its own: the engine's greedy sampler over the step's logits.
+(oneDNN), attention (its matmuls and softmax, or the in-place kernel, stored), the layers' glue between the
+products where it runs as stored kernels (kernels/gpu_decode.py), kernels torch.compile built (the in-place
+attention or the glue of a process that has no stored ones) and apart what calling them costs, the pool's
+gather and writes, the other ops (norms, RoPE, SwiGLU where eager, the embedding, masks), and what no op
+accounts for (Python, the runner's bookkeeping, dispatch). Sampling is timed on its own: the engine's greedy
+sampler over the step's logits.
 """
 
 import argparse
@@ -24,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -32,12 +34,13 @@ if str(ROOT) not in sys.path:
 
 from qwen3_scratch.checkpoint.placement import pick_dtype  # noqa: E402
 from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
-from qwen3_scratch.engine import sampler  # noqa: E402
+from qwen3_scratch.engine import paged_attention, sampler  # noqa: E402
 from qwen3_scratch.engine.engine import LLMEngine  # noqa: E402
 from qwen3_scratch.engine.model_runner import ModelRunner  # noqa: E402
 from qwen3_scratch.engine.paged_cache import PagedKVCache  # noqa: E402
 from qwen3_scratch.engine.scheduler import Chunk, Sequence  # noqa: E402
 from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch  # noqa: E402
+from qwen3_scratch.kernels.gpu_decode import GPUDecoderLayer  # noqa: E402
 from qwen3_scratch.sampling.params import SamplingParams  # noqa: E402
 
 # aten op name -> kind; anything else is "other ops". Compiled kernels show up under their graph's name.
@@ -55,12 +58,19 @@ KINDS = {
 COMPILED_CALL = ("Torch-Compiled Region", "TorchDynamo Cache Lookup", "Pregraph bytecode")
 
 
+# Regions this script marks (`marked`): a stored kernel (an AOTInductor package) runs no op the profiler sees, so
+# its time is its region's own; eager or compiled, the region's ops count on their own and its self time is ~0.
+REGIONS = {"## attention in place": "attention", "## glue between products": "glue kernels (stored or compiled)"}
+
+
 def kind_of(name: str) -> str | None:
     """The kind an event's self time counts under; None for region markers whose ops count on their own."""
     if name in KINDS:
         return KINDS[name]
+    if name in REGIONS:
+        return REGIONS[name]
     if name.startswith("## Call CompiledFxGraph"):
-        return "attention"  # the in-place kernel: inductor's C++ runs as this event's own time
+        return "compiled kernels (torch.compile)"  # inductor's C++ runs as this event's own time
     if name.startswith(COMPILED_CALL):
         return "compiled call (guards, wrapper)"
     if name.startswith("## "):
@@ -76,6 +86,21 @@ def decode_chunks(engine: LLMEngine, prompts: list[list[int]], context: int) -> 
         seq.block_table, _ = engine.blocks.allocate(ids)
         chunks.append(Chunk(seq, context, context + 1))
     return chunks
+
+
+def marked() -> None:
+    """Each in-place attention and each layer's glue call inside a profiler region of its own (see REGIONS)."""
+    attend, run = paged_attention.attend_in_place, GPUDecoderLayer.run
+
+    def attend_marked(*args):
+        with record_function("## attention in place"):
+            return attend(*args)
+
+    def run_marked(self, fn, *args, **constants):
+        with record_function("## glue between products"):
+            return run(self, fn, *args, **constants)
+
+    paged_attention.attend_in_place, GPUDecoderLayer.run = attend_marked, run_marked
 
 
 def profiled(fn) -> dict[str, float]:
@@ -138,6 +163,7 @@ def main(argv=None):
     logits = steps["paged"]()
     seqs = [c.seq for c in chunks]
     sampled = [profiled(lambda: sampler.sample(seqs, list(logits)))["total (profiled)"] for _ in range(5)]
+    marked()
     profiles = {name: profiled(fn) for name, fn in steps.items()}
     kinds = sorted({k for p in profiles.values() for k in p}, key=lambda k: (k.startswith("total"), k))
     print(f"{'ms per step (profiled)':40s} " + " ".join(f"{name:>11s}" for name in profiles))
