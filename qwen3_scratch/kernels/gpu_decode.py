@@ -37,11 +37,13 @@ anything off the device the layers were set up for.
 A CPU engine's layers ("batch" layout) run the same four kernels, stored as AOTInductor packages (kernels/aot.py),
 one per kernel for any rows and tokens: there they save the ~20 eager ops of a layer's glue (a decode step of the
 0.6B shapes at 4-32 rows, bf16, AMD EPYC: 8-18% shorter; scripts/bench/engine_glue.py), where torch.compile's
-kernels lose part of that to dynamo's guards, four calls a layer. A process that finds no package compiles them (~7 s at load, once per machine, shapes
-and torch) and hands them to the background builder, which keeps a package only if it equals the compiled kernel
-bit for bit: the tokens do not depend on whether the packages were built yet. (Not eager meanwhile: a norm's sum
-of squares in inductor's order differs in the last bit, and one bf16 element in ~400,000 then rounds the other
-way.) With stored kernels turned off (QWEN3_SCRATCH_AOT=0, the test suite) a CPU engine runs the eager glue.
+kernels lose part of that to dynamo's guards, four calls a layer. A process that finds no package compiles them at
+load (10-35 s alone, once per machine, shapes and torch; a first `qwen3-serve` start measured no slower, as it
+compiles other kernels too) and hands them to the background builder, which keeps a package only if it equals the
+compiled kernel bit for bit: the tokens do not depend on whether the packages were built yet. (Not eager
+meanwhile: a norm's sum of squares in inductor's order differs in the last bit, and one bf16 element in ~400,000
+then rounds the other way.) With stored kernels turned off (QWEN3_SCRATCH_AOT=0, the test suite) a CPU engine runs
+the eager glue.
 """
 
 import functools
