@@ -109,10 +109,7 @@ def stored_kernel(q_dtype, pool_dtype, table_dtype, valid_dtype, H: int, D: int,
     args = [torch.empty(0, dtype=dtype) for dtype in dtypes]  # the key reads their dtypes; the sizes are named
     dynamic = {"shapes": shapes, "examples": f"{__name__}:package_examples", "reference": f"{__name__}:attend_compiled",
                "sizes": PACKAGE_SIZES, "inductor": dict(INDUCTOR_OPTIONS)}  # fmt: skip
-    kernel = aot.load(paged_decode_attention, args, {}, dynamic)
-    if kernel is None:
-        aot.remember(paged_decode_attention, args, {}, dynamic)
-    return kernel
+    return aot.load_or_remember(paged_decode_attention, args, {}, dynamic)
 
 
 def package_examples(shapes: list, dtypes: list, seed: int) -> list[torch.Tensor]:

@@ -171,6 +171,15 @@ def remember(fn, args, constants: dict, dynamic: dict | None = None) -> None:
     PENDING[str(entry_folder(key))] = key
 
 
+def load_or_remember(fn, args, constants: dict, dynamic: dict | None = None):
+    """The stored kernel (load), or None, and then the kernel is handed to the builder at the command's exit: the
+    caller compiles it meanwhile."""
+    stored = load(fn, args, constants, dynamic)
+    if stored is None:
+        remember(fn, args, constants, dynamic)
+    return stored
+
+
 def library_path(name: str, source: str) -> Path:
     """Where a C++ library built from `source` by inductor's toolchain is kept for later starts (fewrow.py)."""
     return cache_root() / machine_key() / f"{name}-{sha(source)[:24]}.so"

@@ -63,14 +63,19 @@ def resolve(name: str):
     return fn
 
 
-def example(shape: list[int], dtype: str) -> torch.Tensor:
+def example(shape: list[int], dtype: str | torch.dtype, seed: int = 0) -> torch.Tensor:
     """Random inputs for the bit-for-bit check: normal floats, small integers for integer arguments, any byte
     for bytes (int4's packed codes)."""
-    dtype = getattr(torch, dtype)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if dtype.is_floating_point:
-        return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     low, high = (0, 256) if dtype == torch.uint8 else (-8, 8)
-    return torch.randint(low, high, shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    return torch.randint(low, high, shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def examples(shapes: list, dtypes: list, seed: int) -> list[torch.Tensor]:
+    """example's inputs for a kernel of any size (a `dynamic` key's "examples"), each argument from its own seed."""
+    return [example(shape, dtype, seed * 1000 + i) for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True))]
 
 
 class Kernel(torch.nn.Module):

@@ -92,18 +92,9 @@ def stored_any_length_kernel(fn, args: list[torch.Tensor], constants: dict):
 def _stored(fn, shapes: tuple, constants: tuple):
     shapes_only = [list(shape) for _, shape in shapes]
     args = [torch.empty(0, dtype=dtype) for dtype, _ in shapes]  # the key reads their dtypes; the sizes are named
-    dynamic = {"shapes": shapes_only, "examples": f"{__name__}:package_examples", "reference": "torch.compile",
-               "sizes": PACKAGE_SIZES, "inductor": dict(INDUCTOR_OPTIONS)}  # fmt: skip
-    stored = aot.load(fn, args, dict(constants), dynamic)
-    if stored is None:
-        aot.remember(fn, args, dict(constants), dynamic)
-    return stored
-
-
-def package_examples(shapes: list, dtypes: list, seed: int) -> list[torch.Tensor]:
-    """Random normal inputs of these shapes, for a package's check against the compiled kernel."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g).to(dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+    dynamic = {"shapes": shapes_only, "examples": "qwen3_scratch.kernels.aot_build:examples",
+               "reference": "torch.compile", "sizes": PACKAGE_SIZES, "inductor": dict(INDUCTOR_OPTIONS)}  # fmt: skip
+    return aot.load_or_remember(fn, args, dict(constants), dynamic)
 
 
 # ---- the four kernels (x, y: (B, T, C) rows; the products' outputs as they come) ---------------------------
