@@ -19,7 +19,7 @@ from server_process import start_server, stop_server
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.engine import paged_attention
 from qwen3_scratch.generation.loops import generate_tokens
-from qwen3_scratch.kernels import aot, aot_build, fewrow, gpu_decode, matvec
+from qwen3_scratch.kernels import aot, aot_build, fewrow, gpu_decode, matvec, one_row_attention
 from qwen3_scratch.sampling.logits import LogitsFilter
 
 GREEDY = LogitsFilter(temperature=0.0)
@@ -34,7 +34,7 @@ def kernel_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(matvec, "_KERNELS", {})
     monkeypatch.setattr(aot, "PENDING", {})
     caches = (fewrow._library, fewrow.unavailable_reason, matvec.unavailable_reason,  # each process's first checks
-              paged_attention.stored_kernel, gpu_decode._stored)  # fmt: skip
+              paged_attention.stored_kernel, gpu_decode._stored, one_row_attention.kernel)  # fmt: skip
     for cached in caches:
         cached.cache_clear()
     yield tmp_path / "cache"
@@ -58,6 +58,8 @@ def test_packaged_kernels_give_the_tokens_of_inductor_kernels_and_of_the_eager_l
     path = make_tiny_checkpoint(tmp_path / "tiny-qwen3")  # bf16, with a tokenizer: the CLI runs on it below
     built_now = greedy_tokens(path, dtype)  # no cache yet: inductor builds every kernel
     assert aot.PENDING, "the kernels inductor built were not handed over for packaging"
+    functions = {key["function"].split(":")[1] for key in aot.PENDING.values()}
+    assert "one_row_attention" in functions, f"decode attention was not handed over for packaging: {functions}"
     verified = build_pending()
     assert all(verified), f"packages differ from inductor's kernels: {verified}"
     matvec._KERNELS.clear()

@@ -111,6 +111,7 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     ones and int4 ones (torch's int4 kernel called inside the halves: the same kernel as eager's, so equal)."""
     monkeypatch.setattr(cpu_decode, "SHORT_CONTEXT", 0)
     monkeypatch.setattr(cpu_decode, "FLASH_ATTENTION", False)
+    monkeypatch.setattr(cpu_decode, "ONE_ROW_KERNEL", False)
     model = load_model(bf16_checkpoint if dtype == torch.bfloat16 else tied, dtype=dtype, optimize="decode",
                        quantize=quantize)  # fmt: skip
     assert all(type(layer) is CPUDecoderLayer for layer in model.model.layers)
@@ -135,6 +136,7 @@ def test_decode_attention_keeps_bf16_decode_within_the_parity_bounds(bf16_checkp
     same greedy choices and logits within bf16's rounding; transformers' greedy tokens are checked by
     test_optimized_bf16_greedy_tokens_equal_transformers (with whichever attention this CPU picks)."""
     monkeypatch.setattr(cpu_decode, "FLASH_ATTENTION", flash)
+    monkeypatch.setattr(cpu_decode, "ONE_ROW_KERNEL", False)  # its own test: test_one_row_attention.py
     model = load_model(bf16_checkpoint, dtype=torch.bfloat16, optimize="decode")
     tokens = ids(1, 60, seed=6)[0].tolist()
     fast = decode_logits(model, tokens, prompt_len=20).float()  # 40 steps, 20 to 60 slots: fp32 attention

@@ -1,11 +1,13 @@
 """The decode step's attention routes side by side, in one process, rounds alternating, against llama.cpp.
 
     python scripts/bench/attention_ab.py                       # bf16 and int4, 64 tokens, 3 rounds
-    python scripts/bench/attention_ab.py --quantize none --rounds 5
+    python scripts/bench/attention_ab.py --quantize none --rounds 5 --prompt-tokens 1000
 
 For each model (bf16, and int4 weights with bf16 activations) it times --new-tokens greedy tokens with
-each attention route of kernels/cpu_decode.py (flash: SDPA's kernel, the default where the CPU has AMX;
-fp32: the widened cache and two fp32 products), switched per run on the same loaded model, and
+each attention route of kernels/cpu_decode.py, switched per run on the same loaded model:
+kernel: one_row_attention's stored kernel over the cache in place (the default without AMX; its package is
+built first if none is stored); flash: SDPA's kernel on the bf16 cache (the default where the CPU has AMX);
+fp32: the widened cache and SDPA's fp32 kernel (up to 256 slots; the model's own attention past that). And
 llama.cpp's bf16 / Q4_0 file in the same process when llama-cpp-python is installed
 (scripts/bench/llamacpp_engine.py --convert makes the files). Prints every run and the medians.
 """
@@ -27,7 +29,7 @@ from machine import machine, machine_line  # noqa: E402
 from make_shape_checkpoint import default_out  # noqa: E402
 
 from qwen3_scratch.checkpoint.weights import load_model  # noqa: E402
-from qwen3_scratch.kernels import cpu_decode  # noqa: E402
+from qwen3_scratch.kernels import aot, aot_build, cpu_decode, one_row_attention  # noqa: E402
 
 LLAMA_FILE = {None: "bfloat16", "int4": "int4", "int8": "int8"}  # our model -> llama.cpp's file (gguf_path)
 
@@ -59,6 +61,22 @@ def llamacpp_timer(checkpoint: Path, quantize: str | None, prompt: list[int], n:
     return run
 
 
+ROUTES = {"kernel": (False, True), "flash": (True, False), "fp32": (False, False)}  # FLASH_ATTENTION, ONE_ROW_KERNEL
+
+
+def store_one_row_kernel(model, prompt: list[int]) -> None:
+    """one_row_attention's package for this model's heads and dtype, built now if none is stored (~20 s), and
+    loaded: what every start after a first one runs."""
+    if not aot.enabled():
+        raise SystemExit("attention_ab.py: the kernel route needs stored kernels on (unset QWEN3_SCRATCH_AOT)")
+    cpu_decode.FLASH_ATTENTION, cpu_decode.ONE_ROW_KERNEL = False, True
+    time_ours(model, prompt, 2, "cpu", use_cache=True)  # compiles it, and names it for the builder
+    for key in list(aot.PENDING.values()):
+        if key["function"].endswith(":one_row_attention"):
+            aot_build.build(key)
+    one_row_attention.kernel.cache_clear()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, default=default_out("0.6B"))
@@ -66,6 +84,7 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--routes", default="kernel,flash,fp32", help="comma-separated: kernel, flash, fp32")
     p.add_argument("--threads", type=int, default=None, help="torch's and llama.cpp's threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
@@ -75,12 +94,14 @@ def main(argv=None) -> None:
         quantize = None if q == "none" else q
         model = load_model(args.checkpoint, "cpu", torch.bfloat16, optimize="decode", quantize=quantize)
         prompt = random_prompt(args.prompt_tokens, model.config.vocab_size)
-        engines = {"ours, flash attention": True, "ours, fp32 attention": False}
+        engines = {f"ours, {route} attention": ROUTES[route] for route in args.routes.split(",")}
+        if "kernel" in args.routes:
+            store_one_row_kernel(model, prompt)
         runs = {name: [] for name in [*engines, "llama.cpp"]}
         llama = llamacpp_timer(args.checkpoint, quantize, prompt, args.new_tokens)
         for i in range(args.rounds + 1):  # the first round warms up and is dropped
-            for name, flash in list(engines.items())[:: 1 if i % 2 else -1]:  # the order alternates too
-                cpu_decode.FLASH_ATTENTION = flash
+            for name, (flash, kernel) in list(engines.items())[:: 1 if i % 2 else -1]:  # the order alternates too
+                cpu_decode.FLASH_ATTENTION, cpu_decode.ONE_ROW_KERNEL = flash, kernel
                 runs[name].append(time_ours(model, prompt, args.new_tokens, "cpu", use_cache=True).decode_tok_s)
             if llama:
                 runs["llama.cpp"].append(llama())
