@@ -1,7 +1,8 @@
 """Fast paths for the model, swapped in at load time over the unchanged model.
 
 matvec.py (one-row products compiled by inductor into streaming loops), cpu_decode.py (the ops between
-them as a few kernels a layer), fewrow.py (products of a few rows sharing one read of a bf16 matrix:
+them as a few kernels a layer), one_row_attention.py (a decode step's attention as one kernel over the cache
+in place), fewrow.py (products of a few rows sharing one read of a bf16 matrix:
 speculative decoding's verification), fuse.py (fused, oneDNN-prepacked matrices for batches), quantize.py
 (int8 weights), int4.py (int4 weights) and layout.py, which picks among them; aot.py keeps the compiled
 kernels on disk as AOTInductor packages, so a later start loads them without the compiler (aot_build.py
