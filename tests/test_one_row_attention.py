@@ -6,7 +6,7 @@ scripts/bench/attention_ab.py."""
 
 import pytest
 import torch
-from checkpoints import build_checkpoint, load_reference
+from checkpoints import assert_logits_match, build_checkpoint, load_reference
 from test_decode_layouts import GREEDY, decode_logits, ids
 
 from qwen3_scratch.checkpoint.weights import load_model
@@ -78,3 +78,15 @@ def test_bf16_decode_through_the_kernel_stays_within_the_parity_bounds(tmp_path,
     assert ours == theirs, "bf16 greedy tokens through the kernel differ from transformers'"
     handed = [key["function"] for key in aot.PENDING.values()]
     assert f"{one_row_attention.__name__}:one_row_attention" in handed, f"not handed to the builder: {handed}"
+
+
+def test_fp32_decode_through_the_kernel_matches_transformers(tmp_path, stored_kernels_on):
+    """fp32 decode steps whose layers attend by the kernel: transformers' logits to the parity suite's bar."""
+    path = build_checkpoint(tmp_path / "fp32")
+    model = load_model(path, dtype=torch.float32, optimize="decode")
+    x = ids(1, 80)
+    reference = load_reference(path)(x).logits
+    steps = decode_logits(model, x[0].tolist(), prompt_len=56)  # 24 steps, 64 then 128 slots attended
+    assert_logits_match(steps, reference[0, 55:], "decode steps through the one-row kernel")
+    routed = [key for key in aot.PENDING.values() if key["function"].endswith(":one_row_attention")]
+    assert routed and routed[0]["args"][0][1] == "float32", "the fp32 decode did not attend by the kernel"
