@@ -242,7 +242,7 @@ def pick_attention(attn, q, mask):
     half = q.dtype != torch.float32
     if half and FLASH_ATTENTION:
         return attend_flash
-    if ONE_ROW_KERNEL and one_row_attention.available():
+    if ONE_ROW_KERNEL and one_row_attention.available(attn, q):
         return one_row_attention.attend
     return attend_in_fp32 if half and mask.shape[-1] <= SHORT_CONTEXT else type(attn).attend
 

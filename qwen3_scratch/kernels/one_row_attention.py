@@ -70,17 +70,41 @@ def attend(attn, q, k, v, mask, cache, cache_slots):
     return run(q.contiguous(), keys, values, mask.contiguous())
 
 
-def available() -> bool:
-    """True where decode attends by this kernel: stored kernels on (a CLI's, a server's; not the test suite's)."""
-    return aot.enabled()
+def available(attn, q) -> bool:
+    """True where this layer's decode step attends by the kernel: stored kernels on (a CLI's, a server's; not the
+    test suite's), and the kernel stored or built for its heads and dtype."""
+    return aot.enabled() and kernel(q.dtype, q.dtype, attn.n_kv_heads, attn.n_heads, attn.head_dim) is not None
 
 
 @functools.cache
 def kernel(q_dtype, cache_dtype, K: int, H: int, D: int):
     """The stored package for these dtypes and heads, loaded without the compiler, else torch.compile's kernel for
-    any size (then the package is built when the command exits: kernels/aot_build.py)."""
+    any size (then the package is built when the command exits: kernels/aot_build.py), else None: the compiler
+    failed to build it or built a wrong one, and decode attends as without stored kernels (warned once)."""
     stored = stored_kernel(q_dtype, cache_dtype, K, H, D)
-    return stored if stored is not None else compiled
+    if stored is not None:
+        return stored
+    reason = unavailable_reason(q_dtype, cache_dtype, K, H, D)
+    if reason is not None:
+        warnings.warn(f"one-row decode attention is unavailable ({reason}); attending by torch's ops", stacklevel=2)
+        return None
+    return compiled
+
+
+@torch.no_grad()
+def unavailable_reason(q_dtype, cache_dtype, K: int, H: int, D: int) -> str | None:
+    """None if torch.compile builds the kernel for these heads and dtypes and it gives the plain ops' answer (this
+    is the build a first start pays anyway, at load); else why not."""
+    shapes = [[1, H, 1, D], [1, K, 5, D], [1, K, 5, D], [1, 1, 1, 3]]
+    args = package_examples(shapes, [q_dtype, cache_dtype, cache_dtype, torch.bool], seed=0)
+    try:
+        got = compiled(*args)
+    except Exception as error:  # any failure of the toolchain means: torch's ops instead
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return f"{type(error).__name__}: {first_line}"
+    if not torch.allclose(got.float(), one_row_attention(*args).float(), rtol=1e-2, atol=1e-2):
+        return "the compiled kernel gave a wrong answer"
+    return None
 
 
 def stored_kernel(q_dtype, cache_dtype, K: int, H: int, D: int):
