@@ -25,9 +25,12 @@ against what a decode step ran before; docs/performance.md, "One row's attention
     fp32: SDPA (before), us             46            94           297
     fp32: this kernel, us               19            50           163
 
+A decode at the 0.6B shapes, 64 tokens: bf16 +4%, int4 weights +7% after a 16-token prompt; bf16 +25% after a
+1500-token one. The part of a bf16 step that is not a weight read went from 6.0-6.3 to 2.8-3.7 ms.
+
 The maths is fp32 throughout (as attend_in_fp32's, not the eager layers' bf16 scores), so bf16 outputs are held
 to the parity suite's bf16 bounds and fp32 ones to fp32 rounding (tests/test_one_row_attention.py). With stored
-kernels off (QWEN3_SCRATCH_AOT=0, the test suite) decode attends as before.
+kernels off (QWEN3_SCRATCH_AOT=0, the test suite), or where the compiler cannot build it, decode attends as before.
 
 Shapes: H query heads, K kv heads, G = H/K, D head_dim, L the cache's slots, S the slots attended.
 """
