@@ -22,9 +22,10 @@ The maths is the model's: the kernels trace model.rms_norm, rope.apply_rope and 
 order and dtypes, with eager's roundings to bf16. One exception, for speed: attention. With stored kernels
 on (every CLI and server), it is one_row_attention.py's kernel, one call a layer over the cache in place, in
 fp32 (2-4x faster a layer than the routes below, at any length; not on a CPU with AMX in half precision,
-which keeps the flash kernel). With them off (the test suite): in bf16 (or fp16), while the context is short (at most SHORT_CONTEXT slots attended), attention runs in fp32 over the cache widened
-for the step (`attend_in_fp32`, by SDPA's fp32 kernel): oneDNN's half-precision batched products for one
-query cost ~2x the fp32 ones at these sizes, more than widening (1, K, S, D) keys and values costs
+which keeps the flash kernel). With them off (the test suite): in bf16 (or fp16), while the context is
+short (at most SHORT_CONTEXT slots attended), attention runs in fp32 over the cache widened for the step
+(`attend_in_fp32`, by SDPA's fp32 kernel): oneDNN's half-precision batched products for one query cost ~2x
+the fp32 ones at these sizes, more than widening (1, K, S, D) keys and values costs
 (docs/performance-history.md).
 On a CPU with AMX (Intel Sapphire Rapids and later) half-precision attention is instead one call of
 SDPA's flash kernel on the cache as it is (`attend_flash`: 3.9 against 6.5 ms a step on the Intel Xeon).

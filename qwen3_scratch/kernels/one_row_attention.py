@@ -111,6 +111,8 @@ def unavailable_reason(q_dtype, cache_dtype, K: int, H: int, D: int) -> str | No
 
 
 def stored_kernel(q_dtype, cache_dtype, K: int, H: int, D: int):
+    """The package an earlier process stored for these dtypes and heads (~2 ms to load), or None: then it is named
+    to the builder for the command's exit (kernels/aot.py)."""
     shapes = [[1, H, 1, D], [1, K, "L", D], [1, K, "L", D], [1, 1, 1, "S"]]
     dtypes = (q_dtype, cache_dtype, cache_dtype, torch.bool)
     args = [torch.empty(0, dtype=dtype) for dtype in dtypes]  # the key reads their dtypes; the sizes are named
@@ -136,6 +138,8 @@ def _compiled():
 
 
 def compiled(q, keys, values, mask):
+    """one_row_attention by torch.compile, for any L and S: what a process without the package runs, and what the
+    builder checks the package against."""
     mark = torch._dynamo.decorators.mark_unbacked  # no guard on L's or S's value: one compile for every step
     for tensor, dim in ((keys, 2), (values, 2), (mask, 3)):
         mark(tensor, dim)
