@@ -26,7 +26,7 @@ against what a decode step ran before; docs/performance.md, "One row's attention
     fp32: this kernel, us               19            50           163
 
 A decode at the 0.6B shapes, 64 tokens: bf16 +4%, int4 weights +7% after a 16-token prompt; bf16 +25% after a
-1500-token one. The part of a bf16 step that is not a weight read went from 6.0-6.3 to 2.8-3.7 ms.
+1500-token one. The part of a step that is not a weight read: bf16 6.0-7.4 -> 2.8-5.1 ms, int4 8.3-8.8 -> 3.9-4.1.
 
 The maths is fp32 throughout (as attend_in_fp32's, not the eager layers' bf16 scores), so bf16 outputs are held
 to the parity suite's bf16 bounds and fp32 ones to fp32 rounding (tests/test_one_row_attention.py). With stored
