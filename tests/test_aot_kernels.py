@@ -221,3 +221,25 @@ def test_a_cache_that_cannot_be_written_hands_nothing_over_and_raises_nothing(ke
     assert aot.PENDING
     assert aot_build.start_background_build() is False
     assert not aot.PENDING
+
+
+PICKED_ISA = """
+import json, torch
+from torch._inductor import config, cpu_vec_isa
+with config.patch({"cpp.vec_isa_ok": %s}):
+    isa = cpu_vec_isa.pick_vec_isa()
+print(json.dumps([str(isa), isa.build_arch_flags()]))
+"""
+
+
+def test_kernels_compile_for_the_instruction_set_inductors_probes_would_pick():
+    """aot.INDUCTOR_OPTIONS skips inductor's test builds of each instruction set (~7 s of a first start ever): the
+    instruction set and compiler flags it then compiles for must be the ones the probes pick, or a first start's
+    kernels and a package built by a probing process could differ."""
+    assert aot.INDUCTOR_OPTIONS["cpp.vec_isa_ok"] is True
+    assert matvec.inductor_options(matvec.matvec)["cpp.vec_isa_ok"] is True
+    assert paged_attention.INDUCTOR_OPTIONS["cpp.vec_isa_ok"] is True
+    runs = {trusted: subprocess.Popen([sys.executable, "-c", PICKED_ISA % trusted], stdout=subprocess.PIPE, text=True)
+            for trusted in ("True", "None")}  # None: inductor's default, a probe per instruction set
+    picked = {trusted: json.loads(run.communicate(timeout=300)[0]) for trusted, run in runs.items()}
+    assert picked["True"] == picked["None"], f"without probes inductor picks {picked['True']}, with them {picked['None']}"

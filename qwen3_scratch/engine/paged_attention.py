@@ -45,6 +45,7 @@ import warnings
 
 import torch
 
+from qwen3_scratch.kernels import aot
 from qwen3_scratch.model.config import Qwen3Config
 
 
@@ -75,7 +76,8 @@ def _compiled():
     return torch.compile(paged_decode_attention, dynamic=False, fullgraph=True, options=INDUCTOR_OPTIONS)
 
 
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "assert_indirect_indexing": False}  # tables are built valid
+# kernels/aot.py's options, and no bounds check of each table entry: the tables are built valid
+INDUCTOR_OPTIONS = {**aot.INDUCTOR_OPTIONS, "assert_indirect_indexing": False}
 
 
 def attend_in_place(q, key_blocks, value_blocks, tables, valid):
@@ -102,8 +104,6 @@ PACKAGE_SIZES = [dict(B=3, W=5, NB=10, bs=4), dict(B=16, W=33, NB=200, bs=16), d
 def stored_kernel(q_dtype, pool_dtype, table_dtype, valid_dtype, H: int, D: int, K: int):
     """The stored package for these dtypes and heads, loaded without the compiler (~2 ms), or None: the process
     then compiles the kernel, and hands it to the builder for later starts (kernels/aot.py)."""
-    from qwen3_scratch.kernels import aot
-
     shapes = [["B", H, 1, D], [K, "NB", "bs", D], [K, "NB", "bs", D], ["B", "W"], ["B", "W", "bs"]]
     dtypes = (q_dtype, pool_dtype, pool_dtype, table_dtype, valid_dtype)
     args = [torch.empty(0, dtype=dtype) for dtype in dtypes]  # the key reads their dtypes; the sizes are named

@@ -48,6 +48,15 @@ CACHE_ENV = "QWEN3_SCRATCH_CACHE"  # the cache's root folder (default ~/.cache/q
 FORMAT = 1  # bumped when entry.json or the package layout changes
 PACKAGE, ENTRY = "kernel.pt2", "entry.json"
 
+# What every kernel here is compiled with, by this process and by the builder alike, so both give the same bits:
+# - emulate_precision_casts: each explicit cast to bf16 rounds where eager rounds it;
+# - cpp.vec_isa_ok: inductor compiles for the vector instructions torch's own CPU detection reports (avx512,
+#   avx2, ...) without first compiling and loading a test program for each, which cost ~7 s of a first start ever
+#   (0.6B shapes, AMD EPYC: 21-26 -> 14.7 s) and a probe process per instruction set on every start that compiles.
+#   The instruction set picked is the one the probes pick where they pass (AMX and avx512_bf16 are still probed).
+#   A compiler too old for it fails every build, and every kernel then falls back to torch's ops (warned).
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.vec_isa_ok": True}
+
 
 def enabled() -> bool:
     """QWEN3_SCRATCH_AOT=0 turns stored kernels off (neither loaded nor built): the test suite's setting."""

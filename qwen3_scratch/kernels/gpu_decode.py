@@ -74,7 +74,7 @@ def any_length_kernel(fn):
     return compiled
 
 
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+INDUCTOR_OPTIONS = aot.INDUCTOR_OPTIONS
 # Sizes a stored any-length kernel is exported at (the first) and checked at against the compiled kernel (all):
 # rows B and tokens T. The first avoids 1s, which torch.export would take for constants.
 PACKAGE_SIZES = [dict(B=2, T=3), dict(B=1, T=1), dict(B=1, T=37), dict(B=3, T=130)]

@@ -119,7 +119,7 @@ def inductor_options(fn) -> dict:
     """The inductor config fn is compiled with, here and by the ahead-of-time builder (aot_build.py):
     eager's bf16 roundings, and whatever the function asks for (its `inductor_config`; cpu_decode.py's
     whole-half kernels ask to store every intermediate buffer)."""
-    return {"emulate_precision_casts": True, **getattr(fn, "inductor_config", {})}
+    return {**aot.INDUCTOR_OPTIONS, **getattr(fn, "inductor_config", {})}
 
 
 def cacheable():

@@ -59,7 +59,7 @@ def one_row_attention(q, keys, values, mask):
     return y.to(dtype).reshape(1, 1, H * D)
 
 
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+INDUCTOR_OPTIONS = aot.INDUCTOR_OPTIONS
 
 # The package: one for any cache length (L) and attended slots (S). Exported at the first sizes, with both
 # symbolic; checked bit for bit against the compiled kernel at each (the whole cache attended, one slot, a long one).
