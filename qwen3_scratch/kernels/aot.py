@@ -52,7 +52,8 @@ PACKAGE, ENTRY = "kernel.pt2", "entry.json"
 # - emulate_precision_casts: each explicit cast to bf16 rounds where eager rounds it;
 # - cpp.vec_isa_ok: inductor compiles for the vector instructions torch's own CPU detection reports (avx512,
 #   avx2, ...) without first compiling and loading a test program for each, which cost ~7 s of a first start ever
-#   (0.6B shapes, AMD EPYC: 21-26 -> 14.7 s) and a probe process per instruction set on every start that compiles.
+#   (0.6B shapes, bf16, AMD EPYC: 20.1 -> 14.1 s; docs/performance.md) and a probe process per instruction set
+#   on every start that compiles.
 #   The instruction set picked is the one the probes pick where they pass (AMX and avx512_bf16 are still probed).
 #   A compiler too old for it fails every build, and every kernel then falls back to torch's ops (warned).
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.vec_isa_ok": True}

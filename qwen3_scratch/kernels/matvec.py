@@ -117,8 +117,9 @@ def jit_kernel(fn, args, constants: dict):
 
 def inductor_options(fn) -> dict:
     """The inductor config fn is compiled with, here and by the ahead-of-time builder (aot_build.py):
-    eager's bf16 roundings, and whatever the function asks for (its `inductor_config`; cpu_decode.py's
-    whole-half kernels ask to store every intermediate buffer)."""
+    aot.INDUCTOR_OPTIONS (eager's bf16 roundings, the CPU's vector instructions without a test build of each),
+    and whatever the function asks for (its `inductor_config`; cpu_decode.py's whole-half kernels ask to store
+    every intermediate buffer)."""
     return {**aot.INDUCTOR_OPTIONS, **getattr(fn, "inductor_config", {})}
 
 
