@@ -236,10 +236,12 @@ def test_kernels_compile_for_the_instruction_set_inductors_probes_would_pick():
     """aot.INDUCTOR_OPTIONS skips inductor's test builds of each instruction set (~7 s of a first start ever): the
     instruction set and compiler flags it then compiles for must be the ones the probes pick, or a first start's
     kernels and a package built by a probing process could differ."""
-    assert aot.INDUCTOR_OPTIONS["cpp.vec_isa_ok"] is True
-    assert matvec.inductor_options(matvec.matvec)["cpp.vec_isa_ok"] is True
-    assert paged_attention.INDUCTOR_OPTIONS["cpp.vec_isa_ok"] is True
-    runs = {trusted: subprocess.Popen([sys.executable, "-c", PICKED_ISA % trusted], stdout=subprocess.PIPE, text=True)
-            for trusted in ("True", "None")}  # None: inductor's default, a probe per instruction set
+    if "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ:  # a user's own setting is left alone (and the probes kept)
+        assert aot.INDUCTOR_OPTIONS["cpp.vec_isa_ok"] is True
+        assert matvec.inductor_options(matvec.matvec)["cpp.vec_isa_ok"] is True
+        assert paged_attention.INDUCTOR_OPTIONS["cpp.vec_isa_ok"] is True
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_VEC_ISA_OK"}
+    runs = {trusted: subprocess.Popen([sys.executable, "-c", PICKED_ISA % trusted], stdout=subprocess.PIPE, text=True,
+                                      env=env) for trusted in ("True", "None")}  # None: inductor's default, a probe per instruction set
     picked = {trusted: json.loads(run.communicate(timeout=300)[0]) for trusted, run in runs.items()}
     assert picked["True"] == picked["None"], f"without probes inductor picks {picked['True']}, with them {picked['None']}"

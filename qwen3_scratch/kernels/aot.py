@@ -56,7 +56,10 @@ PACKAGE, ENTRY = "kernel.pt2", "entry.json"
 #   on every start that compiles.
 #   The instruction set picked is the one the probes pick where they pass (AMX and avx512_bf16 are still probed).
 #   A compiler too old for it fails every build, and every kernel then falls back to torch's ops (warned).
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "cpp.vec_isa_ok": True}
+#   A user's own TORCHINDUCTOR_VEC_ISA_OK (0: no vector instructions; 1) is left to decide, here and in the builder.
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+if "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ:
+    INDUCTOR_OPTIONS["cpp.vec_isa_ok"] = True
 
 
 def enabled() -> bool:
@@ -110,6 +113,7 @@ def kernel_key(fn, args, constants: dict, dynamic: dict | None = None) -> dict:
         "code": code_version(),
         "machine": machine_key(),
         "torch": torch.__version__,
+        "options": dict(INDUCTOR_OPTIONS),  # a user's TORCHINDUCTOR_VEC_ISA_OK gives kernels of its own
     }
     if dynamic:
         key["dynamic"] = {name: value for name, value in dynamic.items() if name != "shapes"}
