@@ -171,8 +171,7 @@ def unavailable_reason(H: int, K: int, D: int, dtype: torch.dtype) -> str | None
     try:
         got = attend_in_place(q, key_blocks, value_blocks, tables, valid)
     except Exception as error:  # any failure of the toolchain means: gather instead
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        return f"{type(error).__name__}: {first_line}"
+        return aot.failure(error)
     expected = paged_decode_attention(q, key_blocks, value_blocks, tables, valid)
     if not torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=1e-2):
         return "the compiled kernel gave a wrong answer"

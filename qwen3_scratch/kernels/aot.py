@@ -62,6 +62,13 @@ if "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ:
     INDUCTOR_OPTIONS["cpp.vec_isa_ok"] = True
 
 
+def failure(error: Exception) -> str:
+    """A failed build in one line, for the warning that says which fast path is off and why: the error's type and the
+    first line of its message (a compiler's errors run to pages)."""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line}"
+
+
 def enabled() -> bool:
     """QWEN3_SCRATCH_AOT=0 turns stored kernels off (neither loaded nor built): the test suite's setting."""
     return os.environ.get("QWEN3_SCRATCH_AOT", "1") != "0"

@@ -141,8 +141,7 @@ def unavailable_reason() -> str | None:
         if not torch.equal(fewrow(x, w), F.linear(x.float(), w.float()).bfloat16()):  # exact: small integers / 64
             return "the compiled product gave a wrong answer"
     except Exception as error:  # any failure of the toolchain means: keep F.linear
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        return f"{type(error).__name__}: {first_line}"
+        return aot.failure(error)
     return None
 
 

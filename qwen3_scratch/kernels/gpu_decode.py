@@ -70,11 +70,10 @@ def any_length_kernel(fn):
     number of tokens (buckets of decode rows, prompt chunks): one static kernel per count would be dozens to build."""
     compiled = _DYNAMIC.get(fn)
     if compiled is None:
-        compiled = _DYNAMIC[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+        compiled = _DYNAMIC[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(aot.INDUCTOR_OPTIONS))
     return compiled
 
 
-INDUCTOR_OPTIONS = aot.INDUCTOR_OPTIONS
 # Sizes a stored any-length kernel is exported at (the first) and checked at against the compiled kernel (all):
 # rows B and tokens T. The first avoids 1s, which torch.export would take for constants.
 PACKAGE_SIZES = [dict(B=2, T=3), dict(B=1, T=1), dict(B=1, T=37), dict(B=3, T=130)]
@@ -93,7 +92,7 @@ def _stored(fn, shapes: tuple, constants: tuple):
     shapes_only = [list(shape) for _, shape in shapes]
     args = [torch.empty(0, dtype=dtype) for dtype, _ in shapes]  # the key reads their dtypes; the sizes are named
     dynamic = {"shapes": shapes_only, "examples": "qwen3_scratch.kernels.aot_build:examples",
-               "reference": "torch.compile", "sizes": PACKAGE_SIZES, "inductor": dict(INDUCTOR_OPTIONS)}  # fmt: skip
+               "reference": "torch.compile", "sizes": PACKAGE_SIZES, "inductor": dict(aot.INDUCTOR_OPTIONS)}  # fmt: skip
     return aot.load_or_remember(fn, args, dict(constants), dynamic)
 
 

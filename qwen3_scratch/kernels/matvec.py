@@ -144,8 +144,7 @@ def unavailable_reason() -> str | None:
         if not torch.equal(kernel(matvec, x, w)(x, w), torch.full((16,), 16.0)):
             return "the compiled product gave a wrong answer"
     except Exception as error:  # any failure of the toolchain means: use the eager kernels
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        return f"{type(error).__name__}: {first_line}"
+        return aot.failure(error)
     return None
 
 

@@ -59,7 +59,6 @@ def one_row_attention(q, keys, values, mask):
     return y.to(dtype).reshape(1, 1, H * D)
 
 
-INDUCTOR_OPTIONS = aot.INDUCTOR_OPTIONS
 
 # The package: one for any cache length (L) and attended slots (S). Exported at the first sizes, with both
 # symbolic; checked bit for bit against the compiled kernel at each (the whole cache attended, one slot, a long one).
@@ -103,8 +102,7 @@ def unavailable_reason(q_dtype, cache_dtype, K: int, H: int, D: int) -> str | No
     try:
         got = compiled(*args)
     except Exception as error:  # any failure of the toolchain means: torch's ops instead
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        return f"{type(error).__name__}: {first_line}"
+        return aot.failure(error)
     if not torch.allclose(got.float(), one_row_attention(*args).float(), rtol=1e-2, atol=1e-2):
         return "the compiled kernel gave a wrong answer"
     return None
@@ -117,7 +115,7 @@ def stored_kernel(q_dtype, cache_dtype, K: int, H: int, D: int):
     dtypes = (q_dtype, cache_dtype, cache_dtype, torch.bool)
     args = [torch.empty(0, dtype=dtype) for dtype in dtypes]  # the key reads their dtypes; the sizes are named
     dynamic = {"shapes": shapes, "examples": f"{__name__}:package_examples", "reference": f"{__name__}:compiled",
-               "sizes": PACKAGE_SIZES, "inductor": dict(INDUCTOR_OPTIONS)}  # fmt: skip
+               "sizes": PACKAGE_SIZES, "inductor": dict(aot.INDUCTOR_OPTIONS)}  # fmt: skip
     return aot.load_or_remember(one_row_attention, args, {}, dynamic)
 
 
@@ -134,7 +132,7 @@ def package_examples(shapes: list, dtypes: list, seed: int) -> list[torch.Tensor
 @functools.cache
 def _compiled():
     """torch.compile's kernel for any size (made at the first call: torch.compile imports dynamo)."""
-    return torch.compile(one_row_attention, dynamic=False, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+    return torch.compile(one_row_attention, dynamic=False, fullgraph=True, options=dict(aot.INDUCTOR_OPTIONS))
 
 
 def compiled(q, keys, values, mask):
