@@ -19,7 +19,7 @@ from server_process import start_server, stop_server
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.engine import paged_attention
 from qwen3_scratch.generation.loops import generate_tokens
-from qwen3_scratch.kernels import aot, aot_build, fewrow, gpu_decode, matvec, one_row_attention
+from qwen3_scratch.kernels import aot, aot_build, gpu_decode, matvec, one_row_attention
 from qwen3_scratch.sampling.logits import LogitsFilter
 
 GREEDY = LogitsFilter(temperature=0.0)
@@ -33,7 +33,7 @@ def kernel_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(matvec, "_KERNELS", {})
     monkeypatch.setattr(aot, "PENDING", {})
-    caches = (fewrow._library, fewrow.unavailable_reason, matvec.unavailable_reason,  # each process's first checks
+    caches = (matvec.unavailable_reason,  # each process's first checks
               paged_attention.stored_kernel, gpu_decode._stored, one_row_attention.kernel)  # fmt: skip
     for cached in caches:
         cached.cache_clear()

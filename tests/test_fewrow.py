@@ -1,9 +1,9 @@
-"""The few-row bf16 product (kernels/fewrow.py) equals F.linear, and the decode layout uses it.
+"""The few-row bf16 products (kernels/fewrow.py) round like F.linear, and a speculating target uses them.
 
-Speculative decoding's verification forward sends k+1 rows through every matrix; this kernel makes
-them share one read of the weights. Its sums run in another order than oneDNN's, so the bar is bf16
-rounding: each output within half a bf16 ulp of the exact (fp64) product of the same bf16 inputs,
-like F.linear's own."""
+Speculative decoding's verification forward sends k+1 rows through every matrix; fewrow.py gives each
+matrix a copy packed for oneDNN, so the rows share one read of it. oneDNN's sums may run in another order
+than F.linear's, so the bar is bf16 rounding: each output within half a bf16 ulp of the exact (fp64)
+product of the same bf16 inputs, like F.linear's own."""
 
 import pytest
 import torch
@@ -12,12 +12,13 @@ from checkpoints import build_checkpoint
 
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.generation.conversation import ConversationCache
+from qwen3_scratch.generation.speculative import make_speculator, products_of
 from qwen3_scratch.kernels import fewrow as fewrow_module
-from qwen3_scratch.kernels.fewrow import MAX_ROWS, FewRowLinear, fewrow
+from qwen3_scratch.kernels.fewrow import MAX_ROWS, SLOW_ROWS, FewRowLinear, fewrow, pack
 from qwen3_scratch.kernels.matvec import MatvecLinear
 
 REASON = fewrow_module.unavailable_reason()
-needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"the few-row kernel is unavailable: {REASON}")
+needs_onednn_bf16 = pytest.mark.skipif(REASON is not None, reason=f"few-row bf16 products are unavailable: {REASON}")
 
 
 def within_bf16_rounding(y, exact):
@@ -26,35 +27,55 @@ def within_bf16_rounding(y, exact):
     return bool(((y.double() - exact).abs() <= exact.abs() * 2**-8 * 1.001 + 1e-30).all())
 
 
-@needs_kernel
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows,n,k", [(2, 96, 64), (5, 160, 1024), (MAX_ROWS, 33, 72), (3, 7, 40)])
 def test_few_row_product_rounds_like_f_linear(rows, n, k):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=generator).bfloat16()
     w = torch.randn(n, k, generator=generator).bfloat16()
     exact = x.double() @ w.double().T  # (R, N)
-    y, reference = fewrow(x, w), F.linear(x, w)
+    y, reference = fewrow(x, pack(w)), F.linear(x, w)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
     assert within_bf16_rounding(y, exact), f"max error {(y.double() - exact).abs().max():.3g}"
     assert within_bf16_rounding(reference, exact), "F.linear itself misses the bar: the bar is wrong"
 
 
-@needs_kernel
-def test_the_decode_layout_runs_few_rows_through_the_kernel_with_the_same_logits(tmp_path):
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows", sorted(SLOW_ROWS))
+def test_rows_run_padded_give_the_bits_of_the_same_rows_beside_real_ones(rows):
+    """Padding with zero rows is safe only if a product's rows do not mix: the padded rows' outputs must be
+    bit for bit those of the same rows multiplied beside other, nonzero rows."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SLOW_ROWS[rows], 1024, generator=generator).bfloat16()
+    packed = pack(torch.randn(384, 1024, generator=generator).bfloat16())
+    assert torch.equal(fewrow(x[:rows], packed), fewrow(x, packed)[:rows])
+
+
+@needs_onednn_bf16
+def test_a_speculating_target_runs_few_rows_through_packed_copies_with_the_same_logits(tmp_path):
     path = build_checkpoint(tmp_path, dtype=torch.bfloat16)
     fast = load_model(path, dtype=torch.bfloat16, optimize="decode")
     plain = load_model(path, dtype=torch.bfloat16)
+    keys = set(fast.state_dict())
+    assert type(fast.lm_head) is MatvecLinear, "a model that does not speculate keeps no second copy"
+    assert products_of(fast) == "F.linear"
+    make_speculator("ngram", fast)
     assert isinstance(fast.lm_head, FewRowLinear) and isinstance(fast.model.layers[0].mlp.down_proj, FewRowLinear)
+    assert products_of(fast) == "fewrow", "the adaptive k must use the packed products' costs"
+    assert set(fast.state_dict()) == keys, "the packed copies are not part of the checkpoint's state"
     prompt, rows = list(range(3, 40)), [41, 42, 43, 44, 45]
     logits = []
     for model in (fast, plain):
         cache = ConversationCache(model)
         cache.prefill(prompt)
         logits.append(cache.extend(rows).float())  # (5, V): the verification forward's shape
-    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()
-    assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max(), "more than bf16 rounding apart"
+        logits.append(cache.extend(rows[:2]).float())  # 2 rows: run padded to 3
+    for ours, reference in zip(logits[:2], logits[2:]):
+        assert (ours.argmax(-1) == reference.argmax(-1)).all()
+        assert (ours - reference).abs().max() <= 0.05 * reference.abs().max(), "more than bf16 rounding apart"
 
 
 def test_fp32_models_keep_the_one_row_loop_and_f_linear(tmp_path):
     model = load_model(build_checkpoint(tmp_path), optimize="decode")
-    assert type(model.lm_head) is MatvecLinear, "the few-row kernel is bf16 only"
+    make_speculator("ngram", model)
+    assert type(model.lm_head) is MatvecLinear, "the packed few-row products are bf16 only"

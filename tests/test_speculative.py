@@ -252,9 +252,12 @@ def test_adaptive_k_falls_back_to_plain_steps_and_probes_when_nothing_is_kept():
     assert ks.index(0) < 24, f"nothing kept: plain steps within a few rounds, {ks[:24]}"
     probes = [i for i, k in enumerate(ks) if i > ks.index(0) and k]
     gaps = [b - a - 1 for a, b in zip([ks.index(0) - 1] + probes, probes)]
-    assert gaps[:6] == [16, 32, 64, 128, 256, 256], f"each failed probe doubles the plain steps to the next: {gaps}"
+    assert gaps[:8] == [4, 8, 16, 32, 64, 128, 256, 256], f"each failed probe doubles the plain steps to the next: {gaps}"
+    assert {ks[i] for i in probes} == {policy.probe_k}
+    assert AdaptiveK(max_k=4, proposal_cost=0.0).probe_k == 4, "prompt lookup on a bf16 CPU: 5 rows cost what 2 do"
+    assert AdaptiveK(max_k=4, proposal_cost=0.0, products="other").probe_k < 4, "where each row costs, a smaller probe"
     policy.update(1, 1)
-    assert policy.probe_gap == AdaptiveK.PROBE_EVERY, "a kept token brings the probes back to every 16 steps"
+    assert policy.probe_gap == AdaptiveK.PROBE_EVERY, "a kept token brings the probes back to every 4 steps"
     for _ in range(20):
         policy.update(4, 4)
     assert policy.choose() == 4, "all kept again: back to the most tokens a round"

@@ -6,6 +6,6 @@ text out), stats.py (the numbers a run reports), and speculative decoding: specu
 propose, check in one target forward, keep, roll back; the adaptive k) over two proposers,
 sampling/prompt_lookup.py and draft_model.py.
 
-May import: model, checkpoint, parallel, text, sampling, the package root. Imported by: cli.
+May import: model, kernels, checkpoint, parallel, text, sampling, the package root. Imported by: cli.
 The engine (engine/) is its sibling: neither imports the other.
 """

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import torch
 
 from qwen3_scratch.errors import GenerationError
+from qwen3_scratch.kernels.fewrow import use_fewrow
 from qwen3_scratch.sampling.logits import NON_FINITE, LogitsFilter, sample
 from qwen3_scratch.sampling.rejection import verify
 
@@ -65,22 +66,23 @@ def speculate(target: ConversationCache, proposer, last: int, k: int, params: Lo
 def forward_cost(k: int, products: str) -> float:
     """A target forward over k+1 rows, in one-row decode steps, by what multiplies its few rows:
 
-    "fewrow"    bf16 on a CPU with AVX512-BF16 (kernels/fewrow.py). Measured at the 0.6B shapes on
-                the 2-core Zen 4 (docs/performance.md, "Speculative decoding"): 2..9 rows cost 0.93,
-                1.08, 1.21, 1.37, 1.47, 1.64, 2.06, 2.24 steps; the fit: 0.78 + 0.147 k while the
-                rows share the weight read, then (k+1)/4 once multiplying them takes longer (2 rows
-                cost less than one: the one-row loop, matvec.py, reads its weights a little slower).
-    "F.linear"  bf16 on a CPU without that kernel: measured at 2.26 (2 rows) to 2.55 (5 rows) steps
-                next to the compiled one-row loop; speculation rarely pays there.
+    "fewrow"    bf16 on a CPU, the matrices packed for oneDNN (kernels/fewrow.py). Measured at the 0.6B
+                shapes on the 2-core Zen 4 (docs/performance.md, "The few-row products in pure PyTorch"):
+                2..9 rows cost 1.41, 1.42, 1.37, 1.42, 1.42, 1.61, 1.69, 1.70 steps (medians of 4 runs);
+                the fit: 1.40 while oneDNN's few-row kernel takes about as long for any of them, then
+                1.0 + 0.09 k.
+    "F.linear"  bf16 on a CPU without the packed copies: oneDNN reorders each matrix at every call;
+                measured at 1.8-2.4 (2 rows) to 2.0-2.8 (5 rows) steps next to the compiled one-row
+                loop; speculation rarely pays there.
     "other"     fp32 or fp16 on a CPU, and GPUs: not measured. A guess, 1 + 0.1 k: a few rows cost
                 about one read of the weights (on a GPU, a one-row step leaves the multipliers idle).
     """
     if k == 0:
         return 1.0
     if products == "fewrow":
-        return max(0.78 + 0.147 * k, (k + 1) / 4)
+        return max(1.40, 1.0 + 0.09 * k)
     if products == "F.linear":
-        return 2.2 + 0.1 * k
+        return 1.7 + 0.08 * k
     return 1.0 + 0.1 * k
 
 
@@ -100,15 +102,17 @@ class AdaptiveK:
     forward over k+1 rows (`forward_cost`) plus k proposals (a draft step: its bytes next to the
     target's; prompt lookup: nothing). The k in 0..max_k with the most tokens per cost wins. a is
     counted over the last few rounds, so k follows the text: high while the answer quotes its input,
-    0 (plain decoding) where it does not, and then a round after `probe_gap` plain steps proposes a
-    single token to see whether acceptance came back. Each probe that keeps nothing doubles the gap
-    (PROBE_EVERY up to MAX_PROBE_GAP), so a proposer that never guesses right costs a probe every few
-    hundred tokens; one kept token brings the gap back. Only counts decide k, never timings, so a
-    seeded generation is repeatable.
+    0 (plain decoding) where it does not, and then a round after `probe_gap` plain steps proposes
+    tokens again to see whether acceptance came back: as many as pay best at a = 1/2 (`probe_k`: on a
+    bf16 CPU 2 to 5 rows cost the same, so a probe of 4 tokens costs no more than one of 1). Each probe
+    that keeps nothing doubles the gap (PROBE_EVERY up to MAX_PROBE_GAP), so a proposer that never
+    guesses right costs a probe every few hundred tokens; one kept token brings the gap back. The
+    first gap is short because quoting comes in bursts: an answer that stops quoting for a line often
+    quotes again after it. Only counts decide k, never timings, so a seeded generation is repeatable.
     """
 
     DECAY = 0.8  # the weight of a round's counts after each further round
-    PROBE_EVERY = 16
+    PROBE_EVERY = 4
     MAX_PROBE_GAP = 256
 
     def __init__(self, max_k: int, proposal_cost: float, products: str = "fewrow", adaptive: bool = True):
@@ -125,12 +129,17 @@ class AdaptiveK:
             self.plain_steps += 1
             if self.plain_steps > self.probe_gap:
                 self.plain_steps, self.probing = 0, True
-                return 1
+                return self.probe_k
         return k
 
-    def tokens_per_step(self, k: int) -> float:
-        """Expected tokens per decode step's worth of time, with k proposals a round."""
-        a = min(self.kept / self.checked, 0.999)
+    @property
+    def probe_k(self) -> int:
+        return max(range(1, self.max_k + 1), key=lambda k: self.tokens_per_step(k, a=0.5))
+
+    def tokens_per_step(self, k: int, a: float | None = None) -> float:
+        """Expected tokens per decode step's worth of time, with k proposals a round (a: the acceptance
+        seen so far, unless given)."""
+        a = min(self.kept / self.checked, 0.999) if a is None else a
         return (1 - a ** (k + 1)) / (1 - a) / (forward_cost(k, self.products) + k * self.proposal_cost)
 
     def update(self, proposed: int, kept: int) -> None:
@@ -179,6 +188,7 @@ def make_speculator(method: str | None, target, draft=None, num_speculative_toke
     """The Speculator for Pipeline's settings (check_speculative's), or None for plain decoding."""
     if method is None:
         return None
+    use_fewrow(target)  # a bf16 CPU target's verification products share one read of each matrix
     proposer = PromptLookup() if method == "ngram" else DraftModel(draft, target)
     return Speculator(proposer, num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS[method])
 

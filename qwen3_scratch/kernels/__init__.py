@@ -2,7 +2,7 @@
 
 matvec.py (one-row products compiled by inductor into streaming loops), cpu_decode.py (the ops between
 them as a few kernels a layer), one_row_attention.py (a decode step's attention as one kernel over the cache
-in place), fewrow.py (products of a few rows sharing one read of a bf16 matrix:
+in place), fewrow.py (products of a few rows sharing one read of a bf16 matrix packed for oneDNN:
 speculative decoding's verification), fuse.py (fused, oneDNN-prepacked matrices for batches), quantize.py
 (int8 weights), int4.py (int4 weights) and layout.py, which picks among them; aot.py keeps the compiled
 kernels on disk as AOTInductor packages, so a later start loads them without the compiler (aot_build.py
@@ -10,5 +10,6 @@ builds them, once, in the background). Each module says what it buys, measured, 
 which test proves it equals the exact path (the model's own layers, model/).
 
 May import: model, the package root. Imported by: checkpoint (load_model applies the layout), parallel (so does
-each rank), engine (aot.py: the in-place paged attention's stored package).
+each rank), generation (speculation packs its target: fewrow.py), engine (aot.py: the in-place paged
+attention's stored package).
 """

@@ -8,8 +8,8 @@ nothing touches the checkpoint's keys: every transform swaps modules in memory, 
   "decode"  one sequence at a time (the CLI, chat, Pipeline): on a CPU, one-row products run compiled
             loops over the checkpoint's own matrices (matvec.py), which read weights near the memory
             bandwidth and copy nothing, and the ops between them run as a few kernels a layer
-            (cpu_decode.py), and products of a few rows (speculative decoding's verification) share
-            one read of each bf16 matrix (fewrow.py);
+            (cpu_decode.py); a model that speculates gets packed copies for its few-row products
+            (fewrow.py, called by generation/speculative.py);
   "batch"   several rows per step (the engine, serving): q/k/v and gate/up fused into one matrix each
             and every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has
             many rows.
@@ -24,7 +24,6 @@ with a scale and zero point per group of `group_size` weights (int4.py), in eith
 from qwen3_scratch.model.qwen3 import Qwen3
 
 from .cpu_decode import use_cpu_decoder_layers
-from .fewrow import use_fewrow
 from .fuse import fuse_projections, prepack_for_cpu
 from .gpu_decode import use_gpu_decoder_layers
 from .int4 import DEFAULT_GROUP_SIZE, GROUP_SIZES
@@ -41,7 +40,6 @@ def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None,
     cpu_decode = optimize == "decode" and can_use_matvec(model)
     if cpu_decode and quantize is None:
         use_matvec(model)
-        use_fewrow(model)
     else:
         if optimize:
             fuse_projections(model)

@@ -1,6 +1,7 @@
 """One activation row times each Qwen3-0.6B matrix: how fast each CPU kernel reads the weights.
 
     python scripts/bench/benchmark_matvec.py                 # fp32, bf16, int8 and int4; GB/s per kernel and matrix
+    python scripts/bench/benchmark_matvec.py --rows 5 --dtypes bfloat16   # 5 rows: speculation's few-row products
 
 Batch-1 decode is these products and little else, so a kernel's GB/s here is the ceiling of decode
 speed. Per matrix shape, 28 layers' worth of matrices (the lm_head once) so nothing stays in the
@@ -11,6 +12,9 @@ layout); for int8 torch._weight_int8pack_mm, torch._int_mm with the activation r
 for int4 (group 32, bf16 activations) torch._weight_int4pack_mm_for_cpu, what kernels/int4.py runs, and
 the compiled loop it was measured against (`int4_loop` below: unpack two nibbles, widen, multiply-add).
 int4 bytes count the nibbles and the bf16 scale and zero point of each group.
+With --rows R (2 to 16, bf16): R activation rows, as a verification forward of speculative decoding has,
+through F.linear and through the matrices packed once for oneDNN (kernels/fewrow.py); GB/s is still the
+weight bytes over the time, so R rows that share one read of the weights run at one row's speed.
 """
 
 import argparse
@@ -27,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from machine import Table, machine, machine_line  # noqa: E402
 
 from qwen3_scratch.generation.stats import measure_bandwidth  # noqa: E402
+from qwen3_scratch.kernels import fewrow  # noqa: E402
 from qwen3_scratch.kernels.int4 import quantize_and_pack, quantize_groups  # noqa: E402
 from qwen3_scratch.kernels.matvec import kernel, matvec, matvec_int8  # noqa: E402
 from qwen3_scratch.kernels.quantize import quantize_rows  # noqa: E402
@@ -53,6 +58,14 @@ def float_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
         "F.linear": lambda: [F.linear(x, w) for w in weights],
         "oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
         "ours (compiled)": lambda: [ours(x.float(), w) for w in weights],
+    }
+
+
+def few_row_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
+    packed = [fewrow.pack(w) for w in weights]
+    return {
+        "F.linear": lambda: [F.linear(x, w) for w in weights],
+        "oneDNN packed (fewrow.py)": lambda: [fewrow.fewrow(x, p) for p in packed],
     }
 
 
@@ -102,7 +115,11 @@ def int4_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtypes", default="float32,bfloat16,int8,int4")
+    p.add_argument("--rows", type=int, default=1, help="activation rows per product (2 to 16: bf16 only)")
     args = p.parse_args(argv)
+    if args.rows != 1 and (args.dtypes != "bfloat16" or not 1 < args.rows <= fewrow.MAX_ROWS):
+        p.error(f"--rows {args.rows}: few-row products are measured for bf16 only, with 2 to {fewrow.MAX_ROWS} rows; "
+                "add --dtypes bfloat16")
     torch.set_grad_enabled(False)
     print(machine_line(machine("cpu", measure_bandwidth("cpu"))))  # bandwidth_gb_s: the copy bandwidth
     print(f"command: python scripts/bench/benchmark_matvec.py {' '.join(argv or sys.argv[1:])}\n")
@@ -111,8 +128,10 @@ def main(argv=None) -> None:
         for dtype in args.dtypes.split(","):
             float_dtype = torch.bfloat16 if dtype in ("int8", "int4") else getattr(torch, dtype)
             weights = [torch.randn(n, k).to(float_dtype) for _ in range(count)]
-            x = torch.randn(1, k).to(float_dtype)
-            if dtype == "int8":
+            x = torch.randn(args.rows, k).to(float_dtype)
+            if args.rows > 1:
+                kernels = few_row_kernels(weights, x)
+            elif dtype == "int8":
                 kernels = {**int8_kernels(weights, x), **int8_activation_kernels(weights, x)}
             else:
                 kernels = int4_kernels(weights, x) if dtype == "int4" else float_kernels(weights, x)

@@ -60,7 +60,7 @@ from qwen3_scratch.generation.loops import generate_tokens  # noqa: E402
 from qwen3_scratch.sampling.prompt_lookup import PromptLookup  # noqa: E402
 from qwen3_scratch.generation.speculative import Speculator  # noqa: E402
 from qwen3_scratch.generation.stats import SpeculationStats, measure_bandwidth  # noqa: E402
-from qwen3_scratch.kernels.fewrow import FewRowLinear  # noqa: E402
+from qwen3_scratch.kernels.fewrow import FewRowLinear, use_fewrow  # noqa: E402
 from qwen3_scratch.kernels.matvec import MatvecLinear  # noqa: E402
 from qwen3_scratch.sampling.logits import LogitsFilter, sample  # noqa: E402
 from qwen3_scratch.text.tokenizer import Tokenizer  # noqa: E402
@@ -171,13 +171,14 @@ def relative_cost(model, rows: int, base=None, repeats: int = 15) -> float:
 
 
 def set_fewrow(model, on: bool) -> None:
+    """Few-row products through the packed copies (use_fewrow made them) or through F.linear."""
     for module in model.modules():
-        if isinstance(module, MatvecLinear) and module.weight.dtype == torch.bfloat16:
+        if isinstance(module, MatvecLinear) and hasattr(module, "packed"):
             module.__class__ = FewRowLinear if on else MatvecLinear
 
 
 def costs(target, draft) -> dict:
-    """Verification forwards of 2..9 rows next to a one-row step, with the few-row kernel and with F.linear;
+    """Verification forwards of 2..9 rows next to a one-row step, with the packed few-row products and with F.linear;
     and a draft step next to a target step."""
     cache = ConversationCache(target)
     cache.prefill(list(range(1000, 1064)), reserve=16)
@@ -333,6 +334,7 @@ def main(argv=None) -> None:
     if args.only in (None, "agreement"):
         report["bf16_agreement"] = agreement(args)
     target = load_model(target_folder, "cpu", torch.bfloat16, optimize="decode")
+    use_fewrow(target)  # what make_speculator does for Pipeline's target: the few-row products' packed copies
     if args.only in (None, "costs"):
         report["costs"] = costs(target, load_model(draft_folder, "cpu", torch.bfloat16, optimize="decode"))
         print(report["costs"], flush=True)
