@@ -4,8 +4,8 @@ Speculative decoding (generation/speculative.py) checks k proposed tokens in one
 positions. That only pays if k+1 rows cost about what one row costs: decode is bound by reading the
 weights, and k+1 rows still read each weight once, if the kernel lets them. torch's F.linear (oneDNN)
 does not, for bf16 at these sizes: at every call it first reorders the whole matrix into its blocked
-layout, so 2 to 8 rows of Qwen3-0.6B's matrices take 2.3-2.9x the time of the compiled one-row loop
-(matvec.py), and a verification forward would cost about three decode steps.
+layout, so 2 to 8 rows of Qwen3-0.6B's matrices take about twice the time of the compiled one-row loop
+(matvec.py), and a verification forward costs about two decode steps.
 
 Reordered once instead, here, oneDNN's kernel reads each weight once for all the rows:
 
@@ -13,21 +13,24 @@ Reordered once instead, here, oneDNN's kernel reads each weight once for all the
     y = torch.ops.mkldnn._linear_pointwise(x, packed, ...)         # (R, N), every verification
 
 the same pair fuse.py's PackedLinear uses for the engine's steps. Measured at the 0.6B shapes on a 2-core
-Zen 4, one layer's 7 products with 28 layers' matrices cycling (so not from the cache), ms
+Zen 4, one layer's 7 products with 28 layers' matrices cycling (so not from the cache), ms, two passes
 (docs/performance.md, "The few-row products in pure PyTorch"):
 
-    rows                    1      2      3      5      8      16
-    one-row loop (matvec)   0.93
-    F.linear                2.02   2.29   2.31   2.51   2.69   3.31
-    prepacked (this file)          1.34*  1.05   1.03   1.34   1.84
+    rows                      1           2           3           5           8           16
+    one-row loop (matvec)     0.92-1.12
+    F.linear                              1.78-2.26   1.88-2.34   2.18-2.52   2.23-2.86   3.34-3.37
+    prepacked (this file)                 1.20-1.41*  1.22-1.37   1.13-1.21   1.43-1.49   1.84-1.89
+    C++ it replaced (AVX512-BF16 intrinsics, not pure PyTorch)
+                                          1.07-1.25   1.35-1.37   1.60-1.63   2.47-2.54   4.32-4.38
 
-* oneDNN's own kernel for 2 rows is slower than its 3-row one (1.59 ms), so 2 rows run as 3, the third
-  zeros. Rows do not mix in a product, so this changes no bit of the first two.
+* oneDNN's own kernel for 2 rows is slower than its 3-row one (1.45-1.59 ms measured apart), so 2 rows
+  run as 3, the third zeros. Rows do not mix in a product, so this changes no bit of the first two.
 
 The cost is memory: the packed copy sits beside the checkpoint's matrix, which the one-row loop keeps
 reading (it is faster there than oneDNN's single-row kernel, 0.93 against 1.18 ms). So the copy is made
 only for a model that speculates (`use_fewrow`, called by generation/speculative.make_speculator), not
-at load: for Qwen3-0.6B it is 1.2 GB more, and 0.5 s to make.
+at load: for Qwen3-0.6B it is 1.2 GB more, and 1.5 s to make right after a load (the packing is the
+first to read the mapped checkpoint).
 
 Exactness: each output is oneDNN's fp32 sum of exact bf16 products, rounded once to bf16, which is what
 F.linear computes (tests/test_fewrow.py: within bf16 rounding of the exact product).
