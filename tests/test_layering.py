@@ -23,7 +23,7 @@ ALLOWED = {
     "text": {"root"},
     "sampling": {"root"},
     "parallel": {"root", "model", "kernels", "checkpoint"},
-    "generation": {"root", "model", "checkpoint", "parallel", "text", "sampling"},
+    "generation": {"root", "model", "kernels", "checkpoint", "parallel", "text", "sampling"},
     "engine": {"root", "model", "kernels", "checkpoint", "parallel", "text", "sampling"},
     "server": {"root", "engine", "text", "sampling"},
     "cli": {"root", "model", "kernels", "checkpoint", "parallel", "text", "sampling", "generation", "engine", "server"},
