@@ -59,7 +59,6 @@ def one_row_attention(q, keys, values, mask):
     return y.to(dtype).reshape(1, 1, H * D)
 
 
-
 # The package: one for any cache length (L) and attended slots (S). Exported at the first sizes, with both
 # symbolic; checked bit for bit against the compiled kernel at each (the whole cache attended, one slot, a long one).
 PACKAGE_SIZES = [dict(L=100, S=64), dict(L=64, S=64), dict(L=5, S=1), dict(L=1200, S=1088)]
