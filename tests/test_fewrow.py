@@ -14,7 +14,8 @@ from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.generation.conversation import ConversationCache
 from qwen3_scratch.generation.speculative import make_speculator, products_of
 from qwen3_scratch.kernels import fewrow as fewrow_module
-from qwen3_scratch.kernels.fewrow import MAX_ROWS, SLOW_ROWS, FewRowLinear, fewrow, pack
+from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer
+from qwen3_scratch.kernels.fewrow import MAX_ROWS, SLOW_ROWS, FewRowDecoderLayer, FewRowLinear, fewrow, pack
 from qwen3_scratch.kernels.matvec import MatvecLinear
 
 REASON = fewrow_module.unavailable_reason()
@@ -61,6 +62,8 @@ def test_a_speculating_target_runs_few_rows_through_packed_copies_with_the_same_
     assert products_of(fast) == "F.linear"
     make_speculator("ngram", fast)
     assert isinstance(fast.lm_head, FewRowLinear) and isinstance(fast.model.layers[0].mlp.down_proj, FewRowLinear)
+    assert all(type(layer) is FewRowDecoderLayer for layer in fast.model.layers)
+    assert type(fast.model.layers[0].self_attn.q_proj) is MatvecLinear, "q/k/v are packed stacked, not one by one"
     assert products_of(fast) == "fewrow", "the adaptive k must use the packed products' costs"
     assert set(fast.state_dict()) == keys, "the packed copies are not part of the checkpoint's state"
     prompt, rows = list(range(3, 40)), [41, 42, 43, 44, 45]
@@ -79,3 +82,43 @@ def test_fp32_models_keep_the_one_row_loop_and_f_linear(tmp_path):
     model = load_model(build_checkpoint(tmp_path), optimize="decode")
     make_speculator("ngram", model)
     assert type(model.lm_head) is MatvecLinear, "the packed few-row products are bf16 only"
+
+
+def exact_product(x, weight, bias=None):
+    """x (R, K) times weight (N, K) transposed, summed exactly and rounded once: the same bits whichever columns are
+    computed together."""
+    return (x.double() @ weight.double().T).to(x.dtype)
+
+
+def test_a_verification_layer_gives_the_bits_of_the_layers_own_forward_over_the_same_products(tmp_path, monkeypatch):
+    """FewRowDecoderLayer runs q/k/v as one packed product, gate/up as one, and q's and k's heads normed and rotated
+    together. Each is the model's maths per row and per head, so over products that give the same bits whichever
+    columns go together (exact sums, rounded once: oneDNN's own may pick another kernel for another width) its
+    logits must equal the same layer's own forward (CPUDecoderLayer: the modules one by one) bit for bit, at
+    every row count a verification has; one row, and more rows than MAX_ROWS, fall back to that forward."""
+    monkeypatch.setattr(fewrow_module, "pack", lambda weight: weight.detach().clone())
+    monkeypatch.setattr(fewrow_module, "fewrow", exact_product)
+    monkeypatch.setattr(fewrow_module, "unavailable_reason", lambda: None)
+    model = load_model(build_checkpoint(tmp_path, dtype=torch.bfloat16), dtype=torch.bfloat16, optimize="decode")
+    make_speculator("ngram", model)
+    layers = model.model.layers
+    assert all(type(layer) is FewRowDecoderLayer for layer in layers)
+    stacked = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                               layer.mlp.gate_proj, layer.mlp.up_proj)]  # fmt: skip
+    for module in stacked:  # the reference's products: the same exact ones, one matrix at a time
+        module.packed = module.weight
+    cache = ConversationCache(model)
+    cache.prefill(list(range(3, 40)))
+    for rows in [1, 2, 3, 5, MAX_ROWS, MAX_ROWS + 1]:
+        logits = []
+        for layer_class, linear_class in ((FewRowDecoderLayer, MatvecLinear), (CPUDecoderLayer, FewRowLinear)):
+            for layer in layers:
+                layer.__class__ = layer_class
+            for module in stacked:
+                module.__class__ = linear_class
+            logits.append(cache.extend(list(range(50, 50 + rows))))
+            cache.truncate(37)
+        assert logits[0].shape[0] == rows and torch.equal(logits[0], logits[1]), f"{rows} rows"
+    packed = layers[0].qkv_packed
+    make_speculator("ngram", model)
+    assert layers[0].qkv_packed is packed, "a second speculator packs nothing again"

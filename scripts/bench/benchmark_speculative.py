@@ -60,7 +60,8 @@ from qwen3_scratch.generation.loops import generate_tokens  # noqa: E402
 from qwen3_scratch.sampling.prompt_lookup import PromptLookup  # noqa: E402
 from qwen3_scratch.generation.speculative import Speculator  # noqa: E402
 from qwen3_scratch.generation.stats import SpeculationStats, measure_bandwidth  # noqa: E402
-from qwen3_scratch.kernels.fewrow import FewRowLinear, use_fewrow  # noqa: E402
+from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer  # noqa: E402
+from qwen3_scratch.kernels.fewrow import FewRowDecoderLayer, FewRowLinear, use_fewrow  # noqa: E402
 from qwen3_scratch.kernels.matvec import MatvecLinear  # noqa: E402
 from qwen3_scratch.sampling.logits import LogitsFilter, sample  # noqa: E402
 from qwen3_scratch.text.tokenizer import Tokenizer  # noqa: E402
@@ -175,6 +176,8 @@ def set_fewrow(model, on: bool) -> None:
     for module in model.modules():
         if isinstance(module, MatvecLinear) and hasattr(module, "packed"):
             module.__class__ = FewRowLinear if on else MatvecLinear
+        if isinstance(module, CPUDecoderLayer) and hasattr(module, "qkv_packed"):
+            module.__class__ = FewRowDecoderLayer if on else CPUDecoderLayer
 
 
 def costs(target, draft) -> dict:
