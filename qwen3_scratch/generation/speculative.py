@@ -67,10 +67,10 @@ def forward_cost(k: int, products: str) -> float:
     """A target forward over k+1 rows, in one-row decode steps, by what multiplies its few rows:
 
     "fewrow"    bf16 on a CPU, the matrices packed for oneDNN (kernels/fewrow.py). Measured at the 0.6B
-                shapes on the 2-core Zen 4 (docs/performance.md, "The few-row products in pure PyTorch"):
-                2..9 rows cost 1.41, 1.42, 1.37, 1.42, 1.42, 1.61, 1.69, 1.70 steps (medians of 4 runs);
-                the fit: 1.40 while oneDNN's few-row kernel takes about as long for any of them, then
-                1.0 + 0.09 k.
+                shapes on the 2-core Zen 4, the layer as four products (FewRowDecoderLayer;
+                docs/performance.md, "A verification as four products a layer"): 2..6 rows cost 1.28-1.45
+                steps, 7..9 rows 1.47-1.71 (four runs); the fit: 1.40 while oneDNN's few-row kernel takes
+                about as long for any of them, then 1.0 + 0.09 k.
     "F.linear"  bf16 on a CPU without the packed copies: oneDNN reorders each matrix at every call;
                 measured at 1.8-2.4 (2 rows) to 2.0-2.8 (5 rows) steps next to the compiled one-row
                 loop; speculation rarely pays there.
@@ -109,6 +109,10 @@ class AdaptiveK:
     guesses right costs a probe every few hundred tokens; one kept token brings the gap back. The
     first gap is short because quoting comes in bursts: an answer that stops quoting for a line often
     quotes again after it. Only counts decide k, never timings, so a seeded generation is repeatable.
+    Tried and not kept (docs/performance.md, "A verification as four products a layer"): a draft step
+    weighed at its measured time (0.11 target steps, against 0.08 by bytes), and a 10% margin demanded
+    over plain steps. Either made a draft kept half the time level with plain rather than 5% behind,
+    and gave up the 15% a draft kept 65% of the time gains: the estimate of a wanders near the cut.
     """
 
     DECAY = 0.8  # the weight of a round's counts after each further round
