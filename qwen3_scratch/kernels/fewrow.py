@@ -26,6 +26,10 @@ Zen 4, one layer's 7 products with 28 layers' matrices cycling (so not from the 
 * oneDNN's own kernel for 2 rows is slower than its 3-row one (1.45-1.59 ms measured apart), so 2 rows
   run as 3, the third zeros. Rows do not mix in a product, so this changes no bit of the first two.
 
+A verification's layer (FewRowDecoderLayer) runs four such products, not seven: q/k/v packed as one matrix and
+gate/up as one, with the ops between them called directly (a 2-6 row verification of the 0.6B shapes: 1.28-1.45
+one-row steps, from 1.37-1.52 over seven products and the modules' forwards).
+
 The cost is memory: the packed copy sits beside the checkpoint's matrix, which the one-row loop keeps
 reading (it is faster there than oneDNN's single-row kernel, 0.93 against 1.18 ms). So the copy is made
 only for a model that speculates (`use_fewrow`, called by generation/speculative.make_speculator), not
@@ -97,8 +101,8 @@ class FewRowDecoderLayer(CPUDecoderLayer):
     q/k/v as one product and gate/up as one (use_fewrow packs them side by side), with the ops between the products
     called directly rather than through each module's forward: the model's maths in its order, so the same bits as
     the layer's own forward over the same products. Against that forward over FewRowLinears (7 products a layer,
-    13 module calls), a 3-row verification of the 0.6B shapes went from 1.51 to 1.32 one-row steps, 5 rows from
-    1.43 to 1.35 (docs/performance.md, "A verification as four products a layer")."""
+    13 module calls), a 2-6 row verification of the 0.6B shapes went from 1.37-1.52 to 1.28-1.45 one-row steps
+    on a noisy host (docs/performance.md, "A verification as four products a layer")."""
 
     qkv_packed: torch.Tensor  # q's, k's and v's matrices stacked, packed: (H*D + 2*K*D, C)
     gate_up_packed: torch.Tensor  # gate's and up's stacked, packed: (2F, C)
