@@ -122,3 +122,20 @@ def test_a_verification_layer_gives_the_bits_of_the_layers_own_forward_over_the_
     packed = layers[0].qkv_packed
     make_speculator("ngram", model)
     assert layers[0].qkv_packed is packed, "a second speculator packs nothing again"
+
+
+def test_copies_that_would_not_fit_beside_the_model_are_not_made(tmp_path, monkeypatch):
+    """Qwen3-8B's packed copies (16 GB) beside its matrices on a 24 GB machine would push the weights the one-row
+    steps read out of memory: then no copy is made, with a warning that says why, and speculation verifies through
+    F.linear (the cost model it uses says so)."""
+    model = load_model(build_checkpoint(tmp_path, dtype=torch.bfloat16), dtype=torch.bfloat16, optimize="decode")
+    matrices = sum(m.weight.nbytes for m in model.modules() if type(m) is MatvecLinear)
+    monkeypatch.setattr(fewrow_module, "available_memory", lambda: 2 * matrices - 1)
+    needle = r"packed copies need [\d.]+ GiB beside the model's .* GiB of memory is available"
+    with pytest.warns(UserWarning, match=needle):
+        assert make_speculator("ngram", model) is not None
+    assert type(model.lm_head) is MatvecLinear and products_of(model) == "F.linear"
+    monkeypatch.setattr(fewrow_module, "available_memory", lambda: 2 * matrices)
+    if REASON is None:
+        make_speculator("ngram", model)
+        assert products_of(model) == "fewrow", "room for both: the copies are made"

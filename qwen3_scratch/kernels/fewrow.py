@@ -34,7 +34,8 @@ The cost is memory: the packed copy sits beside the checkpoint's matrix, which t
 reading (it is faster there than oneDNN's single-row kernel, 0.93 against 1.18 ms). So the copy is made
 only for a model that speculates (`use_fewrow`, called by generation/speculative.make_speculator), not
 at load: for Qwen3-0.6B it is 1.2 GB more, and 1.5 s to make right after a load (the packing is the
-first to read the mapped checkpoint).
+first to read the mapped checkpoint). Where the copies would not fit beside the matrices in the memory available
+(`too_big_reason`), none is made.
 
 Exactness: each output is oneDNN's fp32 sum of exact bf16 products, rounded once to bf16, which is what
 F.linear computes (tests/test_fewrow.py: within bf16 rounding of the exact product).
@@ -80,6 +81,31 @@ def unavailable_reason() -> str | None:
         return "this torch has no oneDNN"
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "oneDNN has no bf16 kernel for this CPU"
+    return None
+
+
+def too_big_reason(copies: int) -> str | None:
+    """None if `copies` bytes of packed matrices fit beside the matrices themselves in the memory this machine has
+    available; otherwise why not. The one-row steps keep reading the checkpoint's matrices (memory-mapped), so both
+    must stay resident: Qwen3-8B's 16 GB of copies on a 24 GB machine would push its weights out of memory and
+    make every step read them from disk again."""
+    available = available_memory()
+    if available is None or 2 * copies <= available:
+        return None
+    return (f"their packed copies need {copies / 2**30:.1f} GiB beside the model's {copies / 2**30:.1f} GiB; "
+            f"{available / 2**30:.1f} GiB of memory is available")
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (what can be allocated without swapping; it counts the page cache,
+    the mapped checkpoint's pages included, as free), or None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
     return None
 
 
@@ -142,7 +168,7 @@ def use_fewrow(model) -> bool:
     linears = [module for module in model.modules() if type(module) is MatvecLinear and module.weight.dtype == torch.bfloat16]
     if not linears:
         return False  # another layout
-    reason = unavailable_reason()
+    reason = unavailable_reason() or too_big_reason(sum(m.weight.nbytes for m in linears))
     if reason is not None:
         warnings.warn(f"few-row bf16 products are unavailable ({reason}); using F.linear", stacklevel=2)
         return False
