@@ -92,7 +92,7 @@ def too_big_reason(copies: int) -> str | None:
     available = available_memory()
     if available is None or 2 * copies <= available:
         return None
-    return (f"their packed copies need {copies / 2**30:.1f} GiB beside the model's {copies / 2**30:.1f} GiB; "
+    return (f"their packed copies need {copies / 2**30:.1f} GiB, and the model's matrices as much again; "
             f"{available / 2**30:.1f} GiB of memory is available")
 
 
