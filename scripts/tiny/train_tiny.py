@@ -46,6 +46,7 @@ from make_tiny_checkpoint import (  # noqa: E402
 )
 from tiny_corpus import CHAT_MIX, TEXT_SHARE, Packer, chat_documents, text_pieces  # noqa: E402
 
+from qwen3_scratch.checkpoint.placement import cpu_has_native_bf16  # noqa: E402
 from qwen3_scratch.model.config import Qwen3Config  # noqa: E402
 from qwen3_scratch.model.qwen3 import Qwen3  # noqa: E402
 from qwen3_scratch.text.tokenizer import Tokenizer  # noqa: E402
@@ -63,7 +64,10 @@ DRAFT = dict(TARGET, num_hidden_layers=1)
 # run measured (Muon's orthogonalisation costs ~15% of AdamW's speed, docs/performance.md) so that a run with a
 # neighbour still fits: --minutes -> steps.
 MEASURED_TOKENS_PER_SECOND = {"target": 8_600, "draft": 12_500}
-AUTOCAST = True  # bf16 matmuls (fp32 weights and optimizer): 2.2x the tokens/s of fp32 at this size, measured
+# bf16 matmuls (fp32 weights and optimizer) where the CPU multiplies bf16 in hardware: 2.2x the tokens/s of fp32 at
+# this size on the EPYC (Zen 4). A CPU with AVX2 only has no bf16 kernel in oneDNN, and torch's fallback loop runs a
+# bf16 product ~40x slower than fp32 (1.3 against 53 GFLOP/s on an EPYC Zen 3): there the whole step runs in fp32.
+AUTOCAST = cpu_has_native_bf16()
 SEQ_LEN, BATCH = 512, 4
 # Peak LR 3e-3, for Muon too (its updates scaled to AdamW's size): Muon at 6e-3 got held-out add 40% against 83%.
 LR, MIN_LR_RATIO, WARMUP, WEIGHT_DECAY = 3e-3, 0.1, 50, 0.1
@@ -164,6 +168,36 @@ def learning_rate(step: int, steps: int) -> float:
     return LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def orthogonalise_in_fp32(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
+    """torch's Muon orthogonalisation (a quintic Newton-Schulz iteration), its products in fp32 and each result
+    rounded to bf16 as torch's own bf16 iteration rounds it: the same update to within a bf16 rounding, at fp32's
+    speed on a CPU without bf16 kernels (4 s of a 5 s step in bf16 there, 0.1 s in fp32)."""
+    a, b, c = ns_coefficients
+    rounded = lambda x: x.bfloat16().float()  # noqa: E731
+    x = rounded(grad.T if grad.size(0) > grad.size(1) else grad)
+    x = rounded(x / rounded(x.norm()).clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = rounded(x @ x.T)
+        gram = rounded(torch.addmm(gram, gram, gram, beta=b, alpha=c))
+        x = rounded(torch.addmm(x, gram, x, beta=a))
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+class Fp32Muon(torch.optim.Muon):
+    """torch.optim.Muon with orthogonalise_in_fp32 in place of its bf16 iteration, which torch offers no setting
+    for: swapped in for the length of each step only."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.optim import _muon  # where Muon's step looks the iteration up
+
+        original, _muon._zeropower_via_newtonschulz = _muon._zeropower_via_newtonschulz, orthogonalise_in_fp32
+        try:
+            return super().step(closure)
+        finally:
+            _muon._zeropower_via_newtonschulz = original
+
+
 def optimizers_for(model: Qwen3) -> list[torch.optim.Optimizer]:
     """Muon for the layers' matrices (their updates orthogonalised, every direction moving at once), AdamW for
     the embedding (the tied head) and the norms, as Muon's authors use it. Each group's `lr_scale` times the
@@ -172,8 +206,8 @@ def optimizers_for(model: Qwen3) -> list[torch.optim.Optimizer]:
     embedding = [p for n, p in model.named_parameters() if p.dim() == 2 and ".layers." not in n]
     vectors = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms: no weight decay
     # match_rms_adamw scales each update to the size AdamW's would have, so one LR serves both.
-    muon = torch.optim.Muon([{"params": layers, "lr_scale": 1.0}], lr=LR, weight_decay=WEIGHT_DECAY,
-                            adjust_lr_fn="match_rms_adamw")  # fmt: skip
+    muon = (torch.optim.Muon if AUTOCAST else Fp32Muon)([{"params": layers, "lr_scale": 1.0}], lr=LR,
+                                                        weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw")
     groups = [{"params": embedding, "weight_decay": WEIGHT_DECAY, "lr_scale": 1.0},
               {"params": vectors, "weight_decay": 0.0, "lr_scale": NORM_LR_SCALE}]  # fmt: skip
     return [muon, torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=FUSED_ADAMW)]
