@@ -14,7 +14,8 @@ memory at the end within --max-rss-growth-mb of the memory after warm-up (a boun
 memory still rises a little while shape-keyed caches meet the last rare buckets, see docs/performance.md,
 "Flat memory under serving"); exit 0 on SIGTERM.
 
-The kinds of request, each client drawing one at a time (seeded by --seed):
+The kinds of request, each client drawing one at a time (seeded by --seed; client i's first request after the
+warm-up is the i-th kind, so that every kind is sent however few requests the window holds):
   chat, completion  valid, short (1-32 tokens), greedy or sampled, whole or streamed
   long              valid, 200-600 tokens past EOS, streamed
   aborted           a long stream the client drops after a few events (the server must free its blocks)
@@ -87,9 +88,16 @@ class Soak:
     async def client(self, index: int, until: float) -> None:
         rng = random.Random(self.args.seed * 1000 + index)
         kinds, weights = zip(*KINDS.items())
+        measured = False  # whether this client has sent a request since the measuring began
         async with httpx.AsyncClient(base_url=self.url, timeout=self.args.request_seconds) as client:
-            while time.monotonic() < until:
-                kind = rng.choices(kinds, weights)[0]
+            while time.monotonic() < until or not measured:
+                if self.measuring and not measured:
+                    # Each client's first measured request is a kind of its own (client i: the i-th kind), sent even
+                    # if the window has closed: a window too short for many requests (a slow CPU, a server still
+                    # compiling its kernels) still sends every kind, given as many clients as kinds.
+                    kind, measured = kinds[index % len(kinds)], True
+                else:
+                    kind = rng.choices(kinds, weights)[0]
                 started = time.monotonic()
                 try:
                     status = await getattr(self, kind)(client, rng)
