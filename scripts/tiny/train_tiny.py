@@ -173,7 +173,10 @@ def orthogonalise_in_fp32(grad: torch.Tensor, ns_coefficients, ns_steps: int, ep
     rounded to bf16 as torch's own bf16 iteration rounds it: the same update to within a bf16 rounding, at fp32's
     speed on a CPU without bf16 kernels (4 s of a 5 s step in bf16 there, 0.1 s in fp32)."""
     a, b, c = ns_coefficients
-    rounded = lambda x: x.bfloat16().float()  # noqa: E731
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return x.bfloat16().float()
+
     x = rounded(grad.T if grad.size(0) > grad.size(1) else grad)
     x = rounded(x / rounded(x.norm()).clamp(min=eps))
     for _ in range(ns_steps):
