@@ -67,7 +67,8 @@ MEASURED_TOKENS_PER_SECOND = {"target": 8_600, "draft": 12_500}
 # bf16 matmuls (fp32 weights and optimizer) where the CPU multiplies bf16 in hardware: 2.2x the tokens/s of fp32 at
 # this size on the EPYC (Zen 4). A CPU with AVX2 only has no bf16 kernel in oneDNN, and torch's fallback loop runs a
 # bf16 product ~40x slower than fp32 (1.3 against 53 GFLOP/s on an EPYC Zen 3): there the whole step runs in fp32.
-AUTOCAST = cpu_has_native_bf16()
+NATIVE_BF16 = cpu_has_native_bf16()
+AUTOCAST = NATIVE_BF16
 SEQ_LEN, BATCH = 512, 4
 # Peak LR 3e-3, for Muon too (its updates scaled to AdamW's size): Muon at 6e-3 got held-out add 40% against 83%.
 LR, MIN_LR_RATIO, WARMUP, WEIGHT_DECAY = 3e-3, 0.1, 50, 0.1
@@ -209,7 +210,7 @@ def optimizers_for(model: Qwen3) -> list[torch.optim.Optimizer]:
     embedding = [p for n, p in model.named_parameters() if p.dim() == 2 and ".layers." not in n]
     vectors = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms: no weight decay
     # match_rms_adamw scales each update to the size AdamW's would have, so one LR serves both.
-    muon = (torch.optim.Muon if AUTOCAST else Fp32Muon)([{"params": layers, "lr_scale": 1.0}], lr=LR,
+    muon = (torch.optim.Muon if NATIVE_BF16 else Fp32Muon)([{"params": layers, "lr_scale": 1.0}], lr=LR,
                                                         weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw")
     groups = [{"params": embedding, "weight_decay": WEIGHT_DECAY, "lr_scale": 1.0},
               {"params": vectors, "weight_decay": 0.0, "lr_scale": NORM_LR_SCALE}]  # fmt: skip
