@@ -12,11 +12,18 @@ from torch import nn
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, generate_tokens
-from qwen3_scratch.kernels import cpu_decode
+from qwen3_scratch.kernels import cpu_decode, quantize
 from qwen3_scratch.kernels import matvec as matvec_module
 from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer
 from qwen3_scratch.kernels.matvec import MatvecLinear
-from qwen3_scratch.kernels.quantize import Int8Linear, dequantized_weight, quantize_rows
+from qwen3_scratch.kernels.quantize import (
+    Int8Linear,
+    deinterleave_columns,
+    dequantized_weight,
+    interleave_columns,
+    quantize_rows,
+    use_int8_route,
+)
 from qwen3_scratch.model.config import Qwen3Config
 from qwen3_scratch.model.kv_cache import KVCache, attention_mask
 from qwen3_scratch.model.qwen3 import DecoderLayer, one_query_attention
@@ -230,10 +237,15 @@ def dequantized_reference(path, dtype):
     return model
 
 
+@pytest.mark.parametrize("words", [False, True], ids=["codes-in-rows", "codes-as-words"])
 @pytest.mark.parametrize("optimize", [None, "decode"])
-def test_int8_logits_equal_the_dequantized_weights_reference(tied, optimize):
+def test_int8_logits_equal_the_dequantized_weights_reference(tied, optimize, words, monkeypatch):
+    """Either layout of the codes (words: the one-row loop's on an AVX2 CPU, chosen here on any CPU), prefill by
+    torch's int8 kernel and decode by the compiled loops (with optimize="decode", inside each layer's halves)."""
+    monkeypatch.setattr(quantize, "cpu_reads_int8_as_words", lambda: words)
     model = load_model(tied, dtype=torch.float32, quantize="int8", optimize=optimize)
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.weight.dtype == torch.int8
+    assert model.lm_head.words is words and model.model.layers[0].mlp.down_proj.words is words
     assert model.lm_head.kernel is not None, "one-row int8 products should run the compiled loop here"
     assert model.model.embed_tokens.weight.dtype == torch.float32, "the embedding lookup stays unquantized"
     x = ids()
@@ -252,9 +264,53 @@ def test_int8_rows_round_trip_within_half_a_step():
 
 
 def dequantized_weight_of(q, scales):
-    layer = Int8Linear(nn.Linear(q.shape[1], q.shape[0], bias=False), torch.float32)
+    layer = Int8Linear(nn.Linear(q.shape[1], q.shape[0], bias=False), torch.float32, words=False)  # codes in row order
     layer.weight.data, layer.scales.data = q, scales
     return dequantized_weight(layer)
+
+
+def test_interleaved_columns_put_one_column_of_each_quarter_in_every_word():
+    K = 64
+    order = interleave_columns(torch.arange(K)[None])[0]
+    assert order[:8].tolist() == [0, 16, 32, 48, 1, 17, 33, 49], "word j should hold columns j, j+K/4, j+K/2, j+3K/4"
+    t = torch.randn(3, 5, K)
+    assert torch.equal(deinterleave_columns(interleave_columns(t)), t)
+
+
+def test_the_one_row_int8_loop_over_words_gives_the_row_orders_products():
+    """matvec_int8_words (compiled, as it runs) against matvec_int8 on the same codes in the rows' order: codes over
+    the whole int8 range, both signs of each byte position, fp32 and bf16 scales; eager too. The same products
+    summed in another order: equal to fp32 rounding."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 40, 256
+    codes = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    codes[0], codes[1] = 127, -127  # every byte of a word at either end of the range
+    x = torch.randn(1, K, generator=g)
+    words = interleave_columns(codes).view(torch.float32)  # (N, K/4): four codes a word
+    for scales in (torch.rand(N, generator=g) + 0.5, (torch.rand(N, generator=g) + 0.5).bfloat16()):
+        want = matvec_module.matvec_int8(x, codes, scales).float()
+        got = matvec_module.kernel(matvec_module.matvec_int8_words, x, words, scales)(x, words, scales).float()
+        assert got.dtype == want.dtype and got.shape == (N,)
+        rtol = 1e-5 if scales.dtype == torch.float32 else 2**-7  # bf16: one rounding of sums equal to fp32's
+        torch.testing.assert_close(got, want, rtol=rtol, atol=1e-3)
+        eager = matvec_module.matvec_int8_words(x, words, scales).float()  # some words' bits are NaNs as floats
+        torch.testing.assert_close(eager, want, rtol=rtol, atol=1e-3)
+
+
+def test_an_int8_layer_with_codes_as_words_multiplies_as_one_in_the_rows_order():
+    """One row by the words loop, several by torch's int8 kernel over interleaved activations, the dequantized
+    matrix and the GPU routes (which read the rows' order): all as the layer whose codes keep the rows' order."""
+    linear = nn.Linear(128, 48, bias=False)
+    words, rows = Int8Linear(linear, torch.float32, words=True), Int8Linear(linear, torch.float32, words=False)
+    assert words.words and not rows.words and words.codes.shape == (48, 32) and words.codes.dtype == torch.float32
+    assert torch.equal(dequantized_weight(words), dequantized_weight(rows))
+    x = torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(words(x[:, :1]), rows(x[:, :1]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(words(x), rows(x), rtol=1e-5, atol=1e-5)
+    use_int8_route(words, "fused-cast")
+    use_int8_route(rows, "fused-cast")
+    assert not words.words and torch.equal(words.weight, rows.weight), "another route should get the rows' order back"
+    assert torch.equal(words(x), rows(x))
 
 
 def test_int8_against_bf16_argmax_agreement(bf16_checkpoint):

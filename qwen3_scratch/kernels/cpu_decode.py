@@ -51,7 +51,7 @@ from qwen3_scratch.model.rope import apply_rope
 
 from . import one_row_attention
 from .int4 import Int4Linear
-from .matvec import MatvecLinear, kernel, matvec, matvec_int8
+from .matvec import MatvecLinear, kernel, matvec, matvec_int8, matvec_int8_words
 from .quantize import Int8Linear
 
 SCALES = ("scales", "scales_and_zeros")  # what an int8 (Int8Linear) or int4 (Int4Linear) product reads beside its weight
@@ -87,12 +87,15 @@ def widen(h, wide: bool):
 
 def product(h, weight, scales=None):
     """One product inside a whole-half kernel: h (1, K) -> (N,). matvec's loop (h fp32), int8's (h fp32, the
-    row scales given), or torch's int4 kernel (h in the activations' dtype, the packed nibbles and their
-    scales_and_zeros (K/g, N, 2) given: the group size g follows from the shapes)."""
+    row scales given; the codes int8, or as float32 words, Int8Linear.codes), or torch's int4 kernel (h in the
+    activations' dtype, the packed nibbles and their scales_and_zeros (K/g, N, 2) given: the group size g
+    follows from the shapes)."""
     if weight.dtype == torch.uint8:  # int4.Int4Linear's packed codes: an extern call inside the kernel
         group_size = h.shape[-1] // scales.shape[0]
         return torch._weight_int4pack_mm_for_cpu(h, weight, group_size, scales).view(-1)
-    return matvec(h, weight) if scales is None else matvec_int8(h, weight, scales)
+    if scales is None:
+        return matvec(h, weight)
+    return (matvec_int8 if weight.dtype == torch.int8 else matvec_int8_words)(h, weight, scales)
 
 
 def first_half(x, norm_weight, projections, q_norm_weight, k_norm_weight, cos, sin, *, n_heads, n_kv_heads, head_dim, eps,
@@ -334,8 +337,9 @@ class CPUDecoderLayer(DecoderLayer):
     @staticmethod
     def weights(*products) -> list[torch.Tensor]:
         """The tensors a whole-half kernel reads for these products: each one's weight, and its scales if int8,
-        its scales and zeros if int4."""
-        return [t for m in products for t in (m.weight, *(getattr(m, name) for name in SCALES if hasattr(m, name)))]
+        its scales and zeros if int4 (an int8 product's codes as its one-row loop reads them, Int8Linear.codes)."""
+        return [t for m in products for t in (m.codes if isinstance(m, Int8Linear) else m.weight,
+                                              *(getattr(m, name) for name in SCALES if hasattr(m, name)))]  # fmt: skip
 
     def kernel(self, fn, *args, **constants):
         """fn's compiled kernel, looked up once per layer and function (every decode step has the same

@@ -13,6 +13,8 @@ the embedding stays as loaded, since a lookup reads one row). The norms stay in 
 Shapes: N out_features, K in_features.
 """
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +24,7 @@ from qwen3_scratch.model.qwen3 import Qwen3
 
 from .fuse import replace_linears
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
-from .matvec import kernel, matvec_int8, one_row, unavailable_reason
+from .matvec import kernel, matvec_int8, matvec_int8_words, one_row, unavailable_reason
 
 SCHEMES = ("int8", "int4")  # int4: group-wise scales and zero points, int4.py
 
@@ -40,6 +42,28 @@ def quantize_rows(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[tor
         q[start : start + rows_per_chunk] = torch.round(w / s[:, None]).clamp_(-127, 127)
         scales[start : start + rows_per_chunk] = s
     return q, scales
+
+
+def interleave_columns(t: torch.Tensor) -> torch.Tensor:
+    """(..., K) -> (..., K), column b*K/4 + j moved to 4j + b: every four consecutive entries (one 32-bit word of
+    int8 codes) hold one column from each quarter of the row (matvec.matvec_int8_words). The same reordering of
+    an activation row keeps any product with interleaved codes equal to the product in the rows' order."""
+    K = t.shape[-1]
+    return t.reshape(*t.shape[:-1], 4, K // 4).transpose(-1, -2).reshape(t.shape)
+
+
+def deinterleave_columns(t: torch.Tensor) -> torch.Tensor:
+    """interleave_columns undone: (..., K) in the rows' own column order."""
+    K = t.shape[-1]
+    return t.reshape(*t.shape[:-1], K // 4, 4).transpose(-1, -2).reshape(t.shape)
+
+
+def cpu_reads_int8_as_words() -> bool:
+    """True on a CPU whose widest vectors are AVX2's (little-endian, as every x86 is), where the one-row int8 loop
+    reads its codes four to a word (matvec.matvec_int8_words): 10.7 GB/s of a 3072 x 1024 matrix against 1.2
+    for matvec_int8's loop, on the AMD EPYC Zen 3 (docs/performance.md). With AVX-512 inductor's int8 loads are
+    masked loads, and matvec_int8 reads at the bandwidth (1.02x llama.cpp's Q8_0 on the Zen 4)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and sys.byteorder == "little"
 
 
 # How an int8 product runs (Int8Linear.route). On a GPU the default is "fused-cast"; gpu_check measures both.
@@ -70,18 +94,31 @@ class Int8Linear(nn.Module):
 
     scheme = "int8"
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, words: bool | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.split_sizes = getattr(linear, "split_sizes", None)
         q, scales = quantize_rows(linear.weight.detach())
-        self.weight = nn.Parameter(q, requires_grad=False)  # (N, K) int8
+        cpu = q.device.type == "cpu"
+        # words: the codes' columns interleaved, four to a 32-bit word (where the CPU reads them faster so)
+        self.words = (cpu_reads_int8_as_words() if words is None else words) and cpu and self.in_features % 4 == 0
+        self.weight = nn.Parameter(interleave_columns(q) if self.words else q, requires_grad=False)  # (N, K) int8
         self.scales = nn.Parameter(scales.to(dtype), requires_grad=False)  # (N,)
         self.bias = linear.bias
-        self.route = "cpu" if q.device.type == "cpu" else "fused-cast"
+        self.route = "cpu" if cpu else "fused-cast"
         self.kernel = None  # on a CPU where inductor works: the compiled one-row loop (matvec.py)
-        if q.device.type == "cpu" and unavailable_reason() is None:
-            self.kernel = kernel(matvec_int8, torch.empty(1, self.in_features), q, self.scales)
+        if cpu and unavailable_reason() is None:
+            self.kernel = kernel(self.row_product, torch.empty(1, self.in_features), self.codes, self.scales)
+
+    @property
+    def row_product(self):
+        """The one-row loop's function (matvec.py): over the codes as they are laid out."""
+        return matvec_int8_words if self.words else matvec_int8
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """What the one-row loop reads: the int8 codes (N, K), or their words (N, K/4) as float32 bits."""
+        return self.weight.view(torch.float32) if self.words else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.route == "row-kernel" and x.numel() == self.in_features and not torch.compiler.is_compiling():
@@ -99,11 +136,13 @@ class Int8Linear(nn.Module):
             y = F.linear(x, self.weight.to(x.dtype))  # (..., N)
             y = (y.float() * self.scales.float()).to(x.dtype)
         elif self.route == "cpu" and self.kernel is not None and one_row(x, self.in_features):
-            product = matvec_int8 if torch.compiler.is_compiling() else self.kernel  # traced, or compiled here
-            y = product(x.reshape(1, self.in_features).float().contiguous(), self.weight, self.scales)  # (N,)
+            product = self.row_product if torch.compiler.is_compiling() else self.kernel  # traced, or compiled here
+            y = product(x.reshape(1, self.in_features).float().contiguous(), self.codes, self.scales)  # (N,)
             y = y.view(*x.shape[:-1], self.out_features)
         else:  # several rows on a CPU, or the "int8pack" route: torch's kernel for int8 weights and row scales
-            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            rows = x.reshape(-1, self.in_features)
+            rows = interleave_columns(rows) if self.words else rows  # in the codes' column order
+            y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -114,6 +153,9 @@ def use_int8_route(model: nn.Module, route: str) -> None:
         raise CheckpointError(f"int8 route {route!r} is not one of {', '.join(ROUTES)}")
     for module in model.modules():
         if isinstance(module, Int8Linear):
+            if route != "cpu" and module.words:  # the other routes read the codes in the rows' own order
+                module.weight = nn.Parameter(deinterleave_columns(module.weight), requires_grad=False)
+                module.words, module.kernel = False, None
             module.route = route
 
 
@@ -134,4 +176,5 @@ def quantize_model(model: Qwen3, scheme: str = "int8", group_size: int = DEFAULT
 
 def dequantized_weight(layer: Int8Linear) -> torch.Tensor:
     """The float matrix an Int8Linear stands for, (N, K) fp32: the reference its products must equal."""
-    return layer.weight.float() * layer.scales.float()[:, None]
+    codes = deinterleave_columns(layer.weight) if layer.words else layer.weight
+    return codes.float() * layer.scales.float()[:, None]
