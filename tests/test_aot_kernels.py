@@ -223,6 +223,57 @@ def test_a_cache_that_cannot_be_written_hands_nothing_over_and_raises_nothing(ke
     assert not aot.PENDING
 
 
+BUILDER_PARENT = """import sys, torch
+from qwen3_scratch.kernels import aot, aot_build, matvec
+aot.remember(matvec.matvec, [torch.empty(1, 64), torch.empty(32, 64)], {})
+assert aot_build.start_background_build()
+print("started", flush=True)
+sys.stdin.read()  # the builder waits for this process to exit
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="Linux's autogroups only")
+def test_the_background_builder_takes_the_lowest_share_of_the_cpu_in_its_own_session(kernel_cache):
+    """The builder's session is an autogroup of its own, which Linux shares the CPU with as an equal of the user's
+    session unless its own nice is lowered: it must be 19, as the builder's own nice is."""
+    parent = subprocess.Popen([sys.executable, "-c", BUILDER_PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=os.environ)  # fmt: skip
+    builders = []
+    try:
+        assert parent.stdout.readline().strip() == "started"
+        deadline, group = time.monotonic() + 30, ""
+        while time.monotonic() < deadline and "nice 19" not in group:
+            builders = [pid for pid in os.listdir("/proc") if pid.isdigit() and builds_into(pid, kernel_cache)]
+            group = " ".join(read_proc(pid, "autogroup") for pid in builders)
+            time.sleep(0.2)
+        assert len(builders) == 1, f"one builder should run for the test's cache, found {builders}"
+        (pid,) = builders
+        assert "nice 19" in read_proc(pid, "autogroup"), f"the builder's autogroup: {read_proc(pid, 'autogroup')!r}"
+        assert read_proc(pid, "stat").rsplit(")", 1)[1].split()[16] == "19", "the builder itself should run at nice 19"
+        assert os.getsid(int(pid)) != os.getsid(0), "the builder should have a session of its own"
+    finally:
+        for pid in builders:
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+        parent.kill()
+        parent.wait()
+
+
+def builds_into(pid: str, cache) -> bool:
+    """True if process pid is a builder whose specs file lies in the cache folder `cache`."""
+    command = read_proc(pid, "cmdline")
+    return "aot_build" in command and str(cache) in command
+
+
+def read_proc(pid: str, name: str) -> str:
+    try:
+        return open(f"/proc/{pid}/{name}", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # gone, or not ours
+        return ""
+
+
 PICKED_ISA = """
 import json, torch
 from torch._inductor import config, cpu_vec_isa
