@@ -12,10 +12,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import torch
 from cli_helpers import cli
 from make_tiny_checkpoint import make_tiny_checkpoint
 
-from qwen3_scratch.checkpoint.placement import pick_dtype
+from qwen3_scratch.checkpoint.placement import cpu_has_native_bf16, pick_dtype
 from qwen3_scratch.cli.generate import EXAMPLES, build_parser
 from qwen3_scratch.cli.inputs import stdin_waiting
 from qwen3_scratch.generation.pipeline import Pipeline
@@ -88,6 +89,16 @@ def test_flags_are_checked_before_the_model_loads(capsys, tmp_path, monkeypatch,
                                           ("fp32", "float32"), ("bf16", "bfloat16"), ("bfloat16", "bfloat16")])  # fmt: skip
 def test_dtype_aliases_name_torch_dtypes(alias, dtype):
     assert pick_dtype(alias, "cpu") == dtype
+
+
+def test_auto_dtype_is_bf16_with_quantized_weights_on_any_cpu(tiny):
+    """With int8 or int4 weights every product is torch's int kernel, fast with bf16 rows and 5-13x slower with fp32
+    ones on a CPU without native bf16 (docs/performance.md): auto picks bf16 there too, and the Pipeline loads so."""
+    assert pick_dtype("auto", "cpu", "int8") == pick_dtype("auto", "cpu", "int4") == "bfloat16"
+    assert pick_dtype("auto", "cpu") == ("bfloat16" if cpu_has_native_bf16() else "float32")
+    assert pick_dtype("fp32", "cpu", "int8") == "float32", "a dtype the user names is kept"
+    pipe = Pipeline.load(tiny, quantize="int4", quantize_group_size=32)
+    assert pipe.model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 def test_dtype_alias_on_the_command_line_loads_that_dtype(tiny, capsys):

@@ -152,11 +152,11 @@ class LLM:
         # is then per rank.
         optimize = engine_layout(torch.device(device), max_num_seqs, tensor_parallel_size)
         layout = dict(optimize=optimize, quantize=quantize, quantize_group_size=quantize_group_size)
+        dtype = pick_dtype(dtype, device, quantize)
         if tensor_parallel_size != 1:  # (0 or -1 are refused there, in one line)
-            self.model = load_parallel_model(self.checkpoint, tensor_parallel_size, device, pick_dtype(dtype, device),
-                                             **layout)  # fmt: skip
+            self.model = load_parallel_model(self.checkpoint, tensor_parallel_size, device, dtype, **layout)
         else:
-            self.model = load_model(self.checkpoint, device=device, dtype=pick_dtype(dtype, device), **layout)
+            self.model = load_model(self.checkpoint, device=device, dtype=dtype, **layout)
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         draft = None
         if speculative_config is not None and speculative_config.method == "draft_model":  # same placement, unquantized

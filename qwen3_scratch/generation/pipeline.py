@@ -103,15 +103,16 @@ class Pipeline:
                                     verify=verify)  # fmt: skip
         tokenizer = Tokenizer.from_checkpoint(folder)
         layout = dict(optimize="decode", quantize=quantize, quantize_group_size=quantize_group_size)
+        dtype = pick_dtype(dtype, device, quantize)
         draft = None
         if draft_model is not None:
             draft_folder = resolve_checkpoint(draft_model, weights_dir, local_files_only=local_files_only)
             check_draft_checkpoint(folder, tokenizer, draft_folder)
-            draft = load_model(draft_folder, device, pick_dtype(dtype, device), **layout)
+            draft = load_model(draft_folder, device, dtype, **layout)
         if tensor_parallel_size != 1:  # (0 or -1 are refused there, in one line)
-            weights = load_parallel_model(folder, tensor_parallel_size, device, pick_dtype(dtype, device), **layout)
+            weights = load_parallel_model(folder, tensor_parallel_size, device, dtype, **layout)
         else:
-            weights = load_model(folder, device, pick_dtype(dtype, device), **layout)
+            weights = load_model(folder, device, dtype, **layout)
         return cls(weights, tokenizer, folder, use_cache=use_cache, compile=compile,
                    measure_bandwidth=measure_bandwidth, speculative=speculative, draft=draft,
                    num_speculative_tokens=num_speculative_tokens, cuda_graphs=cuda_graphs)  # fmt: skip
