@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -269,7 +270,7 @@ def builds_into(pid: str, cache) -> bool:
 
 def read_proc(pid: str, name: str) -> str:
     try:
-        return open(f"/proc/{pid}/{name}", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        return Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:  # gone, or not ours
         return ""
 

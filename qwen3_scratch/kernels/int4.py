@@ -19,7 +19,8 @@ number of rows, so prefill and serving batches too) and `_weight_int4pack_mm` on
 CPU (2-core AMD EPYC, Zen 4) the CPU kernel with bf16 activations read 15-19 GB/s of int4 weights where
 an inductor-compiled loop that unpacks two nibbles, widens and multiply-adds (matvec.py's machinery) read
 5-9 (scripts/bench/benchmark_matvec.py; docs/performance.md). With fp32 activations torch's CPU kernel is exact but slow here
-(~0.6 GB/s): int4 is meant to run with bf16 activations, the default on a CPU with native bf16.
+(~0.6 GB/s): int4 is meant to run with bf16 activations, what `--dtype auto` picks with quantized weights on any CPU
+(checkpoint/placement.py).
 
 Exactness: the kernel dequantizes each weight to the activations' dtype and sums in fp32, so with fp32
 activations its logits equal the model whose matrices are `dequantize(...)` to 1e-5 relative
