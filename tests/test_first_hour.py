@@ -16,10 +16,11 @@ import torch
 from cli_helpers import cli
 from make_tiny_checkpoint import make_tiny_checkpoint
 
-from qwen3_scratch.checkpoint.placement import cpu_has_native_bf16, pick_dtype
+from qwen3_scratch.checkpoint.placement import pick_dtype
 from qwen3_scratch.cli.generate import EXAMPLES, build_parser
 from qwen3_scratch.cli.inputs import stdin_waiting
 from qwen3_scratch.generation.pipeline import Pipeline
+from qwen3_scratch.kernels.widen import cpu_has_native_bf16
 from qwen3_scratch.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

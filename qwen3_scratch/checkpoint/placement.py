@@ -14,8 +14,6 @@ The names and the help text are plain strings, so a command can check `--dtype` 
 before torch is imported (seconds); the functions import it when they run.
 """
 
-from pathlib import Path
-
 from qwen3_scratch.errors import GenerationError, InputError
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"  # what `--model` and `Pipeline.load()` mean when not told
@@ -52,17 +50,7 @@ def pick_dtype(dtype: str, device: str, quantize: str | None = None) -> str:
     weights' scheme, "int8" or "int4", or None)."""
     dtype = canonical_dtype(dtype)
     if dtype == "auto":
+        from qwen3_scratch.kernels.widen import cpu_has_native_bf16  # imports torch: only when asked
+
         return "bfloat16" if device == "cuda" or quantize is not None or cpu_has_native_bf16() else "float32"
     return dtype
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 in hardware (avx512_bf16 / AMX) and oneDNN will use it."""
-    import torch
-
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: trust oneDNN's own check alone
-        flags = "avx512_bf16"
-    native = "avx512_bf16" in flags or "amx_bf16" in flags
-    return native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

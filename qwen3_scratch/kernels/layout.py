@@ -12,7 +12,8 @@ nothing touches the checkpoint's keys: every transform swaps modules in memory, 
             (fewrow.py, called by generation/speculative.py);
   "batch"   several rows per step (the engine, serving): q/k/v and gate/up fused into one matrix each
             and every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has
-            many rows.
+            many rows (in bf16 on a CPU without bf16 instructions, where oneDNN packs none, products of many
+            rows run in fp32 over the same matrices instead: widen.py).
 Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch"; on a GPU "decode" then
 also runs the ops between the products as four compiled kernels a layer (gpu_decode.py), which is what a
 decode step replayed from a CUDA graph is made of; "batch" there does the same for every step, by kernels
@@ -29,6 +30,7 @@ from .gpu_decode import use_gpu_decoder_layers
 from .int4 import DEFAULT_GROUP_SIZE, GROUP_SIZES
 from .matvec import can_use_matvec, use_matvec
 from .quantize import SCHEMES, quantize_model, use_int8_route
+from .widen import use_widened
 
 LAYOUTS = (None, "decode", "batch")
 __all__ = ["DEFAULT_GROUP_SIZE", "GROUP_SIZES", "LAYOUTS", "SCHEMES", "optimize_layout"]
@@ -47,6 +49,7 @@ def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None,
             quantize_model(model, quantize, group_size)  # its one-row products on a CPU are compiled loops too
         if optimize:
             prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
+            use_widened(model)  # bf16 where oneDNN packs nothing: many rows in fp32 (CPUs without bf16 instructions)
     if cpu_decode:
         use_cpu_decoder_layers(model)  # and the ops between the products, a few compiled kernels a layer
     elif optimize == "decode" and model.device.type == "cuda":

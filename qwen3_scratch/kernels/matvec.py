@@ -35,7 +35,7 @@ from torch import nn
 
 from qwen3_scratch.model.qwen3 import Qwen3
 
-from . import aot
+from . import aot, widen
 from .fuse import replace_linears
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -173,7 +173,8 @@ def one_row(x: torch.Tensor, in_features: int) -> bool:
 
 
 class MatvecLinear(nn.Module):
-    """nn.Linear whose one-row products run the compiled loop; longer inputs (prefill) use F.linear.
+    """nn.Linear whose one-row products run the compiled loop; longer inputs (prefill) use F.linear, or in fp32
+    where the CPU has no bf16 instructions (widen.py).
 
     It keeps the same weight tensor (a view of the mapped checkpoint, or the embedding for a tied
     lm_head): no copy, no new layout, so the model's memory is the checkpoint's.
@@ -196,6 +197,8 @@ class MatvecLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not one_row(x, self.in_features):
+            if widen.widens(x, self.weight) and not torch.compiler.is_compiling():
+                return widen.linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         # under torch.compile the same maths is traced into the caller's graph instead
         product = matvec if torch.compiler.is_compiling() else self.kernel

@@ -46,7 +46,7 @@ from make_tiny_checkpoint import (  # noqa: E402
 )
 from tiny_corpus import CHAT_MIX, TEXT_SHARE, Packer, chat_documents, text_pieces  # noqa: E402
 
-from qwen3_scratch.checkpoint.placement import cpu_has_native_bf16  # noqa: E402
+from qwen3_scratch.kernels.widen import cpu_has_native_bf16  # noqa: E402
 from qwen3_scratch.model.config import Qwen3Config  # noqa: E402
 from qwen3_scratch.model.qwen3 import Qwen3  # noqa: E402
 from qwen3_scratch.text.tokenizer import Tokenizer  # noqa: E402
