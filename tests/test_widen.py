@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from checkpoints import build_checkpoint
 
 from qwen3_scratch.checkpoint.weights import load_model
-from qwen3_scratch.kernels import widen
+from qwen3_scratch.kernels import int4, widen
+from qwen3_scratch.kernels.int4 import Int4Linear
 from qwen3_scratch.kernels.matvec import MatvecLinear
-from qwen3_scratch.kernels.widen import BLOCK_ROWS, MIN_ROWS, WideLinear
+from qwen3_scratch.kernels.quantize import Int8Linear, dequantized_weight
+from qwen3_scratch.kernels.widen import BLOCK_ROWS, INT4_PACK_ROWS, MIN_INT4_ROWS, MIN_INT8_ROWS, MIN_ROWS, WideLinear
 
 
 def within_rounding(y, x, w, dtype, bias=None):
@@ -55,20 +57,21 @@ def test_a_bias_and_leading_dimensions_are_kept():
 
 
 def test_only_many_half_precision_rows_on_a_cpu_without_bf16_instructions_are_widened(monkeypatch):
-    w = torch.zeros(16, 64, dtype=torch.bfloat16)
     many, few = torch.zeros(MIN_ROWS, 64, dtype=torch.bfloat16), torch.zeros(MIN_ROWS - 1, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(widen, "cpu_has_native_bf16", lambda: False)
-    assert widen.widens(many, w) and widen.widens(many.view(2, -1, 64), w)
-    assert not widen.widens(few, w), "a few rows run torch's kernel"
-    assert not widen.widens(many.float(), w.float()), "fp32 is fp32 already"
+    assert widen.widens(many, 64) and widen.widens(many.view(2, -1, 64), 64) and widen.widens(many.half(), 64)
+    assert not widen.widens(few, 64), "a few rows run torch's kernel"
+    assert not widen.widens(many, 64, MIN_INT8_ROWS), "a quantized matrix's threshold is its own"
+    assert not widen.widens(many.float(), 64), "fp32 is fp32 already"
     monkeypatch.setattr(widen, "cpu_has_native_bf16", lambda: True)
-    assert not widen.widens(many, w), "a CPU with bf16 instructions multiplies bf16 itself"
+    assert not widen.widens(many, 64), "a CPU with bf16 instructions multiplies bf16 itself"
 
 
-def count_widened(monkeypatch) -> list:
+def count_widened(monkeypatch, name: str = "linear") -> list:
+    """Every call of widen.<name> from now on, noted by its matrix's shape."""
     calls = []
-    real = widen.linear
-    monkeypatch.setattr(widen, "linear", lambda *args: calls.append(args[1].shape) or real(*args))
+    real = getattr(widen, name)
+    monkeypatch.setattr(widen, name, lambda *args: calls.append(args[1].shape) or real(*args))
     return calls
 
 
@@ -94,5 +97,60 @@ def test_models_that_gain_nothing_keep_their_products(tmp_path, monkeypatch):
     assert not any(isinstance(m, WideLinear) for m in load_model(build_checkpoint(tmp_path / "fp32"),
                                                                  optimize="batch").modules())  # fmt: skip
     monkeypatch.setattr(widen, "cpu_has_native_bf16", lambda: True)
-    model = load_model(build_checkpoint(tmp_path / "bf16", dtype=torch.bfloat16), dtype=torch.bfloat16, optimize="batch")
+    path = build_checkpoint(tmp_path / "bf16", dtype=torch.bfloat16)
+    model = load_model(path, dtype=torch.bfloat16, optimize="batch")
     assert not any(isinstance(m, WideLinear) for m in model.modules())
+
+
+def test_int4_blocks_unpack_torchs_cpu_packing_exactly():
+    """int4_block reads torch's packed nibbles as int4.dequantize reads the codes: pins the packing's layout, so
+    a torch that packs otherwise fails here, not in a prompt."""
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (2 * INT4_PACK_ROWS, 96), generator=generator, dtype=torch.int32)
+    scales_and_zeros = torch.rand(3, 2 * INT4_PACK_ROWS, 2, generator=generator).bfloat16()  # groups of 32
+    packed = int4.pack(codes)
+    assert torch.equal(widen.int4_block(packed, scales_and_zeros), int4.dequantize(codes, scales_and_zeros))
+    assert torch.equal(widen.int4_block(packed[INT4_PACK_ROWS:], scales_and_zeros[:, INT4_PACK_ROWS:]),
+                       int4.dequantize(codes, scales_and_zeros)[INT4_PACK_ROWS:]), "a block of rows alone"  # fmt: skip
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_prompts_run_widened_within_rounding_of_the_dequantized_product(monkeypatch, no_bf16_instructions,
+                                                                                   scheme):  # fmt: skip
+    """A prompt's int8 or int4 product (Int8Linear, Int4Linear) runs widened from its threshold of rows on (below
+    it, torch's kernel), and equals the exact product of the bf16 rows and the dequantized matrix within bf16
+    rounding (torch's int4 kernel, which may round each dequantized weight to bf16 first, is not held to that)."""
+    generator = torch.Generator().manual_seed(5)
+    n, k = BLOCK_ROWS + 2 * INT4_PACK_ROWS, 256  # a whole block and a part, in 64-row packing blocks
+    linear = torch.nn.Linear(k, n, bias=False)
+    linear.weight.data = torch.randn(n, k, generator=generator) * 0.05
+    if scheme == "int8":
+        module, threshold = Int8Linear(linear, torch.bfloat16), MIN_INT8_ROWS
+        weight = dequantized_weight(module).double()
+    else:
+        module, threshold = Int4Linear(linear, torch.bfloat16, 32), MIN_INT4_ROWS
+        weight = widen.int4_block(module.weight, module.scales_and_zeros).double()
+    calls = count_widened(monkeypatch, f"linear_{scheme}")
+    x = torch.randn(threshold, k, generator=generator).bfloat16()
+    y = module(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (threshold, n) and len(calls) == 1
+    error = (y.double() - x.double() @ weight.T).abs().max()
+    assert within_rounding(y, x, weight, torch.bfloat16), f"max error {error:.3g}"
+    assert module(x[:-1]).shape == (threshold - 1, n)
+    assert len(calls) == 1, "only the threshold's rows run widened"
+
+
+def test_a_quantized_prompt_runs_widened_with_the_logits_of_torchs_kernels(tmp_path, monkeypatch, no_bf16_instructions):
+    path = build_checkpoint(tmp_path, dtype=torch.bfloat16)
+    prompt = torch.arange(3, 3 + 24).view(1, -1)
+    for scheme in ("int8", "int4"):
+        model = load_model(path, dtype=torch.bfloat16, optimize="decode", quantize=scheme)
+        with torch.no_grad():
+            monkeypatch.setattr(widen, f"MIN_{scheme.upper()}_ROWS", 10**9)
+            reference = model(prompt).float()
+            monkeypatch.setattr(widen, f"MIN_{scheme.upper()}_ROWS", 8)
+            calls = count_widened(monkeypatch, f"linear_{scheme}")
+            ours = model(prompt).float()
+        assert len(calls) >= len(model.model.layers) * 4, f"{scheme}: the prompt's products run widened"
+        assert (ours.argmax(-1) == reference.argmax(-1)).all(), scheme
+        assert (ours - reference).abs().max() <= 0.05 * reference.abs().max(), f"{scheme}: more than rounding apart"

@@ -197,7 +197,7 @@ class MatvecLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not one_row(x, self.in_features):
-            if widen.widens(x, self.weight) and not torch.compiler.is_compiling():
+            if widen.widens(x, self.in_features) and not torch.compiler.is_compiling():
                 return widen.linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         # under torch.compile the same maths is traced into the caller's graph instead

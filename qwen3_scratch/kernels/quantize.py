@@ -22,6 +22,7 @@ from torch import nn
 from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch.model.qwen3 import Qwen3
 
+from . import widen
 from .fuse import replace_linears
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
 from .matvec import kernel, matvec_int8, matvec_int8_words, one_row, unavailable_reason
@@ -67,7 +68,8 @@ def cpu_reads_int8_as_words() -> bool:
 
 
 # How an int8 product runs (Int8Linear.route). On a GPU the default is "fused-cast"; gpu_check measures both.
-#   "cpu"         a CPU: one row through the compiled loop (matvec.py), several through torch's CPU kernel;
+#   "cpu"         a CPU: one row through the compiled loop (matvec.py), several through torch's CPU kernel, or
+#                 in fp32 from widen.MIN_INT8_ROWS rows on where the CPU has no bf16 instructions (widen.py);
 #   "fused-cast"  gpt-fast's expression, F.linear(x, q.to(bf16)) * scales: under torch.compile (with
 #                 coordinate-descent tuning, generation/compile_cache.py) the cast fuses into the product's
 #                 reduction, so each weight is read as one byte; eagerly it is a bf16 copy of q, then cuBLAS;
@@ -142,7 +144,10 @@ class Int8Linear(nn.Module):
         else:  # several rows on a CPU, or the "int8pack" route: torch's kernel for int8 weights and row scales
             rows = x.reshape(-1, self.in_features)
             rows = interleave_columns(rows) if self.words else rows  # in the codes' column order
-            y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
+            if self.route == "cpu" and widen.widens(rows, self.in_features, widen.MIN_INT8_ROWS):
+                y = widen.linear_int8(rows, self.weight, self.scales)  # a prompt without bf16 instructions: in fp32
+            else:
+                y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

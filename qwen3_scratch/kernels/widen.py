@@ -18,9 +18,23 @@ Measured on the Zen 3, ms for one matrix (6144 x 1024 / 1024 x 3072):
     bf16 F.linear     5.1 / 2.6     7.7 / 2.9     12.6 / 5.6    48.8 / 21.8   229 / 103
     widened           4.9 / 2.4     6.0 / 2.8     6.2 / 5.1     17.2 / 5.8    45 / 20
 
-Exactness: a product of two bf16 (or fp16) numbers is exact in fp32 and the sums are fp32, as in torch's own
-bf16 kernels; only the order of the sums differs (fp32 rounding), then the one rounding to bf16
-(tests/test_widen.py holds it to that against the fp32 product).
+int8 and int4 matrices (quantize.py, int4.py) take bf16 rows wherever they run on a CPU (placement.pick_dtype),
+and torch's int8 and int4 kernels are faster than F.linear there but still slow with many rows: a block of codes
+is widened (int8) or unpacked and dequantized (int4, from torch's own packing: `int4_block`) the same way, from
+MIN_INT8_ROWS and MIN_INT4_ROWS rows on. ms for one matrix, torch's kernel / widened:
+
+    rows              8             64            128           300
+    int8 6144x1024    2.5 / 10.2    19.4 / 18.0   38.5 / 23.8   89.4 / 43.9
+    int8 1024x3072    1.2 / 4.4     7.6 / 8.1     14.2 / 11.7   32.6 / 19.4
+    int4 6144x1024    2.3 / 24.0    18.2 / 31.8   34.9 / 41.5   78.6 / 61.6
+    int4 1024x3072    1.1 / 13.5    9.1 / 14.9    17.5 / 17.8   27.1 / 22.2
+
+A 300-token prompt's first token: int8 6.4 -> 3.6 s, int4 6.6 -> 4.5 s.
+
+Exactness: a product of two bf16 (or fp16) numbers is exact in fp32, and so is a bf16 row's number times an int8
+code or an int4 weight dequantized in fp32 (int4.dequantize's); the sums are fp32, as in torch's own kernels. Only
+the order of the sums differs (fp32 rounding), then the one rounding to bf16 (tests/test_widen.py holds each to
+that against the exact product).
 
 Shapes: R rows, N out_features, K in_features.
 """
@@ -35,7 +49,10 @@ from torch import nn
 from .fuse import replace_linears
 
 MIN_ROWS = 8  # fewer rows run torch's own kernel (F.linear), as fast or faster there
+MIN_INT8_ROWS = 96  # the same for torch's int8 kernel (its crossover: 64-128 rows)
+MIN_INT4_ROWS = 160  # and its int4 one, which unpacks the nibbles first (crossover: 128-160 rows)
 BLOCK_ROWS = 512  # rows of the matrix widened at a time: 2 MB of fp32 at K = 1024 (128 and 2048 were slower)
+INT4_PACK_ROWS = 64  # torch's CPU int4 packing lays rows out in blocks of 64 (see int4_block)
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -50,27 +67,67 @@ def cpu_has_native_bf16() -> bool:
     return native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when x's rows times weight run faster widened: MIN_ROWS or more half-precision rows on a CPU
-    without bf16 instructions."""
-    rows = x.numel() // weight.shape[1]
-    return weight.device.type == "cpu" and weight.dtype in HALF and rows >= MIN_ROWS and not cpu_has_native_bf16()
+def widens(x: torch.Tensor, in_features: int, min_rows: int = MIN_ROWS) -> bool:
+    """True when x's rows run faster widened: min_rows or more half-precision rows on a CPU without bf16
+    instructions (min_rows: MIN_ROWS for float matrices, MIN_INT8_ROWS or MIN_INT4_ROWS for quantized ones)."""
+    rows = x.numel() // in_features
+    return x.device.type == "cpu" and x.dtype in HALF and rows >= min_rows and not cpu_has_native_bf16()
+
+
+def products(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """x (..., K) times an (n, K) matrix given a block at a time, in fp32: fill(block, start, end) writes rows
+    start:end of the matrix into block, (end - start, K) fp32. -> (R, n) fp32."""
+    K = x.shape[-1]
+    rows = x.reshape(-1, K).float()  # (R, K)
+    y = torch.empty(len(rows), n)  # (R, n) fp32
+    block = torch.empty(min(BLOCK_ROWS, n), K)  # reused for every block of the matrix
+    for start in range(0, n, BLOCK_ROWS):
+        end = min(start + BLOCK_ROWS, n)
+        fill(block[: end - start], start, end)
+        torch.mm(rows, block[: end - start].t(), out=y[:, start:end])
+    return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) in fp32, rounded once to x's dtype: x (..., K), weight (N, K) -> (..., N)."""
-    N, K = weight.shape
-    rows = x.reshape(-1, K).float()  # (R, K)
-    y = torch.empty(len(rows), N)  # (R, N) fp32
-    block = torch.empty(min(BLOCK_ROWS, N), K)  # fp32, reused for every block of the matrix
-    for start in range(0, N, BLOCK_ROWS):
-        end = min(start + BLOCK_ROWS, N)
-        widened = block[: end - start]
-        widened.copy_(weight[start:end])
-        torch.mm(rows, widened.t(), out=y[:, start:end])
+    y = products(x, len(weight), lambda block, start, end: block.copy_(weight[start:end]))
     if bias is not None:
         y += bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], N)
+    return y.to(x.dtype).view(*x.shape[:-1], len(weight))
+
+
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """torch._weight_int8pack_mm(x, codes, scales) in fp32: x (..., K), codes (N, K) int8, one scale a row (N,)
+    -> (..., N) in x's dtype. A code times a bf16 number is exact in fp32, so only the sums' order differs."""
+    y = products(x, len(codes), lambda block, start, end: block.copy_(codes[start:end]))
+    return (y * scales.float()).to(x.dtype).view(*x.shape[:-1], len(codes))
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """torch._weight_int4pack_mm_for_cpu(x, packed, g, scales_and_zeros) in fp32: x (..., K), packed (N, K/2) uint8
+    in torch's CPU layout, scales_and_zeros (K/g, N, 2) -> (..., N) in x's dtype. torch's kernel rounds each
+    dequantized weight to x's dtype; here it stays fp32 (int4.dequantize's), so the result is nearer the exact one."""
+    n = len(packed)
+
+    def fill(block, start, end):
+        block.copy_(int4_block(packed[start:end], scales_and_zeros[:, start:end]))
+
+    y = products(x, n, fill)
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def int4_block(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """Rows of torch's CPU int4 packing, a multiple of 64 of them, dequantized: (n, K/2) uint8 and (K/g, n, 2)
+    -> (n, K) fp32, as int4.dequantize. The packing (torch 2.x's _convert_weight_to_int4pack_for_cpu, pinned by
+    tests/test_widen.py): in each block of 64 rows, rows h*32 + s*16 + i (h, s in {0, 1}, i < 16) keep the code of
+    column k in byte [h, k, i] of the block viewed as (2, K, 16), low nibble for s = 0, high for s = 1."""
+    n, K = len(packed), 2 * packed.shape[1]
+    groups = scales_and_zeros.shape[0]
+    p = packed.view(n // INT4_PACK_ROWS, 2, K, 16)  # (n/64, h, k, i)
+    q = torch.stack([p & 15, p >> 4], dim=2).transpose(3, 4)  # (n/64, h, s, i, k)
+    q = q.reshape(n, groups, K // groups).float()  # (n, K/g, g)
+    scale, zero = scales_and_zeros.float().permute(2, 1, 0)  # (n, K/g) each
+    return ((q - 8) * scale[..., None] + zero[..., None]).view(n, K)
 
 
 class WideLinear(nn.Module):
@@ -84,7 +141,7 @@ class WideLinear(nn.Module):
         self.split_sizes = getattr(linear, "split_sizes", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if widens(x, self.weight) and not torch.compiler.is_compiling():
+        if widens(x, self.in_features) and not torch.compiler.is_compiling():
             return linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

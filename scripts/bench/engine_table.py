@@ -3,7 +3,8 @@
     python scripts/bench/benchmark_decode.py --table --engines transformers,plain,cache,int8,llamacpp --repeats 3
 
 One process per (engine, dtype) and per round, as a user picking an engine would run it: each loads
-its own model, warms up once, times one run, and reports decode tok/s and its peak RSS. The rounds
+its own model, warms up once, times one run, and reports decode tok/s, the time to its first token (the
+prompt's forward: `--prompt-tokens 300` measures prompt speed) and its peak RSS. The rounds
 alternate the engines (the order rotates every round), so a busy neighbour slows all of them alike,
 and the memory bandwidth is measured in this process before every round; the table divides by the
 median. Columns: float32 and bfloat16 run every engine; int8 runs ours (`int8`: int8 weights, bf16
@@ -104,6 +105,7 @@ def summarize(results: dict, bandwidth: float) -> dict:
         step_bytes = runs[0]["bytes_per_step"]
         report[(engine, dtype)] = {
             "decode_tok_s": tok_s, "all": [round(r["decode_tok_s"], 2) for r in runs],
+            "ttft_s": statistics.median(r["ttft_s"] for r in runs),
             "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in runs),
             "bytes_per_step": step_bytes, "limit_tok_s": bandwidth / step_bytes, "util": tok_s * step_bytes / bandwidth,
             "tokens": runs[-1]["tokens"],
@@ -134,5 +136,20 @@ def print_report(report: dict, engines, dtypes, info: dict, bandwidths, argv) ->
         ours, theirs = report.get((d if d in QUANTIZED else "cache", d)), report.get(("llamacpp", d))
         ratios.append(f"**{ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x**" if ours and theirs else "–")
     print("| ours / llama.cpp | " + " | ".join(ratios) + " | |")
+    print_first_tokens(report, engines, dtypes)
     for (engine, d), v in report.items():
         print(f"  {engine} {d}: runs {v['all']}")
+
+
+def print_first_tokens(report: dict, engines, dtypes) -> None:
+    """The time to the first token of each cell (medians, s), and llama.cpp's over ours: the prompt's speed."""
+    print("\n| engine | " + " | ".join(f"{d} time to first token (s)" for d in dtypes) + " |")
+    print("|---|" + "---:|" * len(dtypes))
+    for engine in engines:
+        row = [f"{report[(engine, d)]['ttft_s']:.3f}" if (engine, d) in report else "–" for d in dtypes]
+        print(f"| {NAMES.get(engine, engine)} | " + " | ".join(row) + " |")
+    ratios = []
+    for d in dtypes:  # > 1: our first token comes sooner
+        ours, theirs = report.get((d if d in QUANTIZED else "cache", d)), report.get(("llamacpp", d))
+        ratios.append(f"**{theirs['ttft_s'] / ours['ttft_s']:.2f}x**" if ours and theirs else "–")
+    print("| llama.cpp's / ours (above 1: ours sooner) | " + " | ".join(ratios) + " |")
