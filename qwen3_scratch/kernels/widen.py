@@ -11,8 +11,9 @@ caches, and torch's fp32 product (the CPU's fastest) multiplies the rows by each
 
     y[:, block] = x.float() @ W[block].float().T          rounded once to the activations' dtype at the end
 
-From about 8 rows on this is faster; below, F.linear is as fast or faster (one row is matvec.py's loop).
-Measured on the Zen 3, ms for one matrix (6144 x 1024 / 1024 x 3072):
+From about 12 rows on this is faster; below, F.linear is as fast or faster (one row is matvec.py's loop).
+Measured on the Zen 3, ms for one matrix (6144 x 1024 / 1024 x 3072; at 8 and 12 rows the whole layer's four
+matrices out of cache, scripts/bench/benchmark_matvec.py --rows, put the crossover at 12):
 
     rows              4             8             16            64            300
     bf16 F.linear     5.1 / 2.6     7.7 / 2.9     12.6 / 5.6    48.8 / 21.8   229 / 103
@@ -48,7 +49,7 @@ from torch import nn
 
 from .fuse import replace_linears
 
-MIN_ROWS = 8  # fewer rows run torch's own kernel (F.linear), as fast or faster there
+MIN_ROWS = 12  # fewer rows run torch's own kernel (F.linear), as fast or faster there
 MIN_INT8_ROWS = 96  # the same for torch's int8 kernel (its crossover: 64-128 rows)
 MIN_INT4_ROWS = 160  # and its int4 one, which unpacks the nibbles first (crossover: 128-160 rows)
 BLOCK_ROWS = 512  # rows of the matrix widened at a time: 2 MB of fp32 at K = 1024 (128 and 2048 were slower)

@@ -13,7 +13,8 @@ for int4 (group 32, bf16 activations) torch._weight_int4pack_mm_for_cpu, what ke
 the compiled loop it was measured against (`int4_loop` below: unpack two nibbles, widen, multiply-add).
 int4 bytes count the nibbles and the bf16 scale and zero point of each group.
 With --rows R (2 to 16, bf16): R activation rows, as a verification forward of speculative decoding has,
-through F.linear and through the matrices packed once for oneDNN (kernels/fewrow.py); GB/s is still the
+through F.linear, through the matrices packed once for oneDNN (kernels/fewrow.py; not on a CPU whose oneDNN has
+no bf16 kernel) and widened to fp32 a block at a time (kernels/widen.py); GB/s is still the
 weight bytes over the time, so R rows that share one read of the weights run at one row's speed.
 """
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from machine import Table, machine, machine_line  # noqa: E402
 
 from qwen3_scratch.generation.stats import measure_bandwidth  # noqa: E402
-from qwen3_scratch.kernels import fewrow  # noqa: E402
+from qwen3_scratch.kernels import fewrow, widen  # noqa: E402
 from qwen3_scratch.kernels.int4 import quantize_and_pack, quantize_groups  # noqa: E402
 from qwen3_scratch.kernels.matvec import kernel, matvec, matvec_int8  # noqa: E402
 from qwen3_scratch.kernels.quantize import quantize_rows  # noqa: E402
@@ -52,21 +53,22 @@ def gb_per_s(products, nbytes: int, passes: int = 7) -> float:
 
 
 def float_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
     ours = kernel(matvec, x.float(), weights[0])
-    return {
-        "F.linear": lambda: [F.linear(x, w) for w in weights],
-        "oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
-        "ours (compiled)": lambda: [ours(x.float(), w) for w in weights],
-    }
+    kernels = {"F.linear": lambda: [F.linear(x, w) for w in weights]}
+    if x.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():  # oneDNN packs no bf16 on AVX2 alone
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+        kernels["oneDNN packed"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
+    kernels["ours (compiled)"] = lambda: [ours(x.float(), w) for w in weights]
+    return kernels
 
 
 def few_row_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
-    packed = [fewrow.pack(w) for w in weights]
-    return {
-        "F.linear": lambda: [F.linear(x, w) for w in weights],
-        "oneDNN packed (fewrow.py)": lambda: [fewrow.fewrow(x, p) for p in packed],
-    }
+    kernels = {"F.linear": lambda: [F.linear(x, w) for w in weights]}
+    if fewrow.unavailable_reason() is None:
+        packed = [fewrow.pack(w) for w in weights]
+        kernels["oneDNN packed (fewrow.py)"] = lambda: [fewrow.fewrow(x, p) for p in packed]
+    kernels["widened to fp32 (widen.py)"] = lambda: [widen.linear(x, w) for w in weights]
+    return kernels
 
 
 def int8_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
