@@ -11,10 +11,10 @@ from checkpoints import build_checkpoint
 
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.kernels import int4, widen
-from qwen3_scratch.kernels.int4 import Int4Linear
+from qwen3_scratch.kernels.int4 import PACK_ROWS, Int4Linear
 from qwen3_scratch.kernels.matvec import MatvecLinear
 from qwen3_scratch.kernels.quantize import Int8Linear, dequantized_weight
-from qwen3_scratch.kernels.widen import BLOCK_ROWS, INT4_PACK_ROWS, MIN_INT4_ROWS, MIN_INT8_ROWS, MIN_ROWS, WideLinear
+from qwen3_scratch.kernels.widen import BLOCK_ROWS, MIN_INT4_ROWS, MIN_INT8_ROWS, MIN_ROWS, WideLinear
 
 
 def within_rounding(y, x, w, dtype, bias=None):
@@ -68,10 +68,10 @@ def test_only_many_half_precision_rows_on_a_cpu_without_bf16_instructions_are_wi
 
 
 def count_widened(monkeypatch, name: str = "linear") -> list:
-    """Every call of widen.<name> from now on, noted by its matrix's shape."""
+    """Every call of widen.<name> from now on, noted by its second argument (the matrix, or its rows)."""
     calls = []
     real = getattr(widen, name)
-    monkeypatch.setattr(widen, name, lambda *args: calls.append(args[1].shape) or real(*args))
+    monkeypatch.setattr(widen, name, lambda *args: calls.append(args[1]) or real(*args))
     return calls
 
 
@@ -102,16 +102,14 @@ def test_models_that_gain_nothing_keep_their_products(tmp_path, monkeypatch):
     assert not any(isinstance(m, WideLinear) for m in model.modules())
 
 
-def test_int4_blocks_unpack_torchs_cpu_packing_exactly():
-    """int4_block reads torch's packed nibbles as int4.dequantize reads the codes: pins the packing's layout, so
-    a torch that packs otherwise fails here, not in a prompt."""
+def test_int4_unpack_reads_torchs_cpu_packing_exactly():
+    """int4.unpack gives back the codes torch's CPU packing was given, for the whole and for a block of rows alone:
+    pins the packing's layout, so a torch that packs otherwise fails here, not in a prompt."""
     generator = torch.Generator().manual_seed(3)
-    codes = torch.randint(0, 16, (2 * INT4_PACK_ROWS, 96), generator=generator, dtype=torch.int32)
-    scales_and_zeros = torch.rand(3, 2 * INT4_PACK_ROWS, 2, generator=generator).bfloat16()  # groups of 32
+    codes = torch.randint(0, 16, (2 * PACK_ROWS, 96), generator=generator, dtype=torch.int32)
     packed = int4.pack(codes)
-    assert torch.equal(widen.int4_block(packed, scales_and_zeros), int4.dequantize(codes, scales_and_zeros))
-    assert torch.equal(widen.int4_block(packed[INT4_PACK_ROWS:], scales_and_zeros[:, INT4_PACK_ROWS:]),
-                       int4.dequantize(codes, scales_and_zeros)[INT4_PACK_ROWS:]), "a block of rows alone"  # fmt: skip
+    assert torch.equal(int4.unpack(packed), codes.to(torch.uint8))
+    assert torch.equal(int4.unpack(packed[PACK_ROWS:]), codes[PACK_ROWS:].to(torch.uint8)), "a block of rows alone"
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -121,7 +119,7 @@ def test_quantized_prompts_run_widened_within_rounding_of_the_dequantized_produc
     it, torch's kernel), and equals the exact product of the bf16 rows and the dequantized matrix within bf16
     rounding (torch's int4 kernel, which may round each dequantized weight to bf16 first, is not held to that)."""
     generator = torch.Generator().manual_seed(5)
-    n, k = BLOCK_ROWS + 2 * INT4_PACK_ROWS, 256  # a whole block and a part, in 64-row packing blocks
+    n, k = BLOCK_ROWS + 2 * PACK_ROWS, 256  # a whole block and a part, in 64-row packing blocks
     linear = torch.nn.Linear(k, n, bias=False)
     linear.weight.data = torch.randn(n, k, generator=generator) * 0.05
     if scheme == "int8":
@@ -129,8 +127,8 @@ def test_quantized_prompts_run_widened_within_rounding_of_the_dequantized_produc
         weight = dequantized_weight(module).double()
     else:
         module, threshold = Int4Linear(linear, torch.bfloat16, 32), MIN_INT4_ROWS
-        weight = widen.int4_block(module.weight, module.scales_and_zeros).double()
-    calls = count_widened(monkeypatch, f"linear_{scheme}")
+        weight = int4.dequantize(int4.unpack(module.weight), module.scales_and_zeros).double()
+    calls = count_widened(monkeypatch, "products")
     x = torch.randn(threshold, k, generator=generator).bfloat16()
     y = module(x)
     assert y.dtype == torch.bfloat16 and y.shape == (threshold, n) and len(calls) == 1
@@ -149,7 +147,7 @@ def test_a_quantized_prompt_runs_widened_with_the_logits_of_torchs_kernels(tmp_p
             monkeypatch.setattr(widen, f"MIN_{scheme.upper()}_ROWS", 10**9)
             reference = model(prompt).float()
             monkeypatch.setattr(widen, f"MIN_{scheme.upper()}_ROWS", 8)
-            calls = count_widened(monkeypatch, f"linear_{scheme}")
+            calls = count_widened(monkeypatch, "products")
             ours = model(prompt).float()
         assert len(calls) >= len(model.model.layers) * 4, f"{scheme}: the prompt's products run widened"
         assert (ours.argmax(-1) == reference.argmax(-1)).all(), scheme

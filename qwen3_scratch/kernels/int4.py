@@ -46,6 +46,7 @@ DEFAULT_GROUP_SIZE = 32
 # as gpt-fast packs, reads the longest runs per load, and needs K to be a multiple of 128 (every Qwen3 matrix
 # is), else 2 (a multiple of 32). The CPU packing ignores it.
 INNER_K_TILES = (8, 2)
+PACK_ROWS = 64  # torch's CPU packing lays rows out in blocks of 64 (see unpack)
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,12 +124,18 @@ class Int4Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         if x.is_cuda:
             y = torch._weight_int4pack_mm(rows, self.weight, self.group_size, self.scales_and_zeros)
-        elif not self.out_features % widen.INT4_PACK_ROWS and widen.widens(rows, self.in_features, widen.MIN_INT4_ROWS):
-            y = widen.linear_int4(rows, self.weight, self.scales_and_zeros)  # a prompt, no bf16 instructions: fp32
+        elif not self.out_features % PACK_ROWS and widen.widens(rows, self.in_features, widen.MIN_INT4_ROWS):
+            y = widen.products(rows, self.out_features, self.widened_block).to(rows.dtype)  # fp32, rounded once
         else:
             y = torch._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scales_and_zeros)
         y = y.view(*x.shape[:-1], self.out_features)  # (..., N)
         return y if self.bias is None else y + self.bias
+
+    def widened_block(self, block: torch.Tensor, start: int, end: int) -> None:
+        """Rows start:end of the matrix, dequantized in fp32 into block (widen.products' fill): a prompt on a CPU
+        without bf16 instructions. torch's kernel rounds each dequantized weight to the rows' dtype; these stay
+        fp32, so the product is nearer the exact one."""
+        block.copy_(dequantize(unpack(self.weight[start:end]), self.scales_and_zeros[:, start:end]))
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -137,4 +144,15 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
         tiles = next(t for t in INNER_K_TILES if codes.shape[1] % (16 * t) == 0)
         return torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), tiles)
     return torch._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES[-1])  # (N, K/2) uint8
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The codes of rows packed by `pack` on a CPU, a multiple of PACK_ROWS of them: (n, K/2) uint8 -> (n, K) uint8.
+
+    torch's CPU packing (torch 2.x, pinned by tests/test_widen.py): in each block of 64 rows, rows h*32 + s*16 + i
+    (h, s in {0, 1}, i < 16) keep the code of column k in byte [h, k, i] of the block viewed as (2, K, 16), the low
+    nibble for s = 0, the high one for s = 1."""
+    n, K = len(packed), 2 * packed.shape[1]
+    p = packed.view(n // PACK_ROWS, 2, K, 16)  # (n/64, h, k, i)
+    return torch.stack([p & 15, p >> 4], dim=2).transpose(3, 4).reshape(n, K)  # (n/64, h, s, i, k) -> (n, K)
 

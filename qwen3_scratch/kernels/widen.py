@@ -21,8 +21,8 @@ matrices out of cache, scripts/bench/benchmark_matvec.py --rows, put the crossov
 
 int8 and int4 matrices (quantize.py, int4.py) take bf16 rows wherever they run on a CPU (placement.pick_dtype),
 and torch's int8 and int4 kernels are faster than F.linear there but still slow with many rows: a block of codes
-is widened (int8) or unpacked and dequantized (int4, from torch's own packing: `int4_block`) the same way, from
-MIN_INT8_ROWS and MIN_INT4_ROWS rows on. ms for one matrix, torch's kernel / widened:
+is widened (int8, `linear_int8`) or unpacked and dequantized (int4, from torch's own packing: int4.py hands
+`products` its blocks) the same way, from MIN_INT8_ROWS and MIN_INT4_ROWS rows on. ms for one matrix, torch's kernel / widened:
 
     rows              8             64            128           300
     int8 6144x1024    2.5 / 10.2    19.4 / 18.0   38.5 / 23.8   89.4 / 43.9
@@ -53,7 +53,6 @@ MIN_ROWS = 12  # fewer rows run torch's own kernel (F.linear), as fast or faster
 MIN_INT8_ROWS = 96  # the same for torch's int8 kernel (its crossover: 64-128 rows)
 MIN_INT4_ROWS = 160  # and its int4 one, which unpacks the nibbles first (crossover: 128-160 rows)
 BLOCK_ROWS = 512  # rows of the matrix widened at a time: 2 MB of fp32 at K = 1024 (128 and 2048 were slower)
-INT4_PACK_ROWS = 64  # torch's CPU int4 packing lays rows out in blocks of 64 (see int4_block)
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -89,6 +88,14 @@ def products(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return y
 
 
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), widened (`linear`) where that pays: several rows of a float matrix (MatvecLinear's
+    prompts, WideLinear's batches)."""
+    if widens(x, weight.shape[1]) and not torch.compiler.is_compiling():  # (compiled: F.linear traced)
+        return linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) in fp32, rounded once to x's dtype: x (..., K), weight (N, K) -> (..., N)."""
     y = products(x, len(weight), lambda block, start, end: block.copy_(weight[start:end]))
@@ -104,35 +111,8 @@ def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     return (y * scales.float()).to(x.dtype).view(*x.shape[:-1], len(codes))
 
 
-def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """torch._weight_int4pack_mm_for_cpu(x, packed, g, scales_and_zeros) in fp32: x (..., K), packed (N, K/2) uint8
-    in torch's CPU layout, scales_and_zeros (K/g, N, 2) -> (..., N) in x's dtype. torch's kernel rounds each
-    dequantized weight to x's dtype; here it stays fp32 (int4.dequantize's), so the result is nearer the exact one."""
-    n = len(packed)
-
-    def fill(block, start, end):
-        block.copy_(int4_block(packed[start:end], scales_and_zeros[:, start:end]))
-
-    y = products(x, n, fill)
-    return y.to(x.dtype).view(*x.shape[:-1], n)
-
-
-def int4_block(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """Rows of torch's CPU int4 packing, a multiple of 64 of them, dequantized: (n, K/2) uint8 and (K/g, n, 2)
-    -> (n, K) fp32, as int4.dequantize. The packing (torch 2.x's _convert_weight_to_int4pack_for_cpu, pinned by
-    tests/test_widen.py): in each block of 64 rows, rows h*32 + s*16 + i (h, s in {0, 1}, i < 16) keep the code of
-    column k in byte [h, k, i] of the block viewed as (2, K, 16), low nibble for s = 0, high for s = 1."""
-    n, K = len(packed), 2 * packed.shape[1]
-    groups = scales_and_zeros.shape[0]
-    p = packed.view(n // INT4_PACK_ROWS, 2, K, 16)  # (n/64, h, k, i)
-    q = torch.stack([p & 15, p >> 4], dim=2).transpose(3, 4)  # (n/64, h, s, i, k)
-    q = q.reshape(n, groups, K // groups).float()  # (n, K/g, g)
-    scale, zero = scales_and_zeros.float().permute(2, 1, 0)  # (n, K/g) each
-    return ((q - 8) * scale[..., None] + zero[..., None]).view(n, K)
-
-
 class WideLinear(nn.Module):
-    """nn.Linear over the same weight whose products of MIN_ROWS or more rows run widened (`linear`): the
+    """nn.Linear over the same weight whose products of MIN_ROWS or more rows run widened (`product`): the
     "batch" layout's matrices in bf16 on a CPU without bf16 instructions, where oneDNN packs none (fuse.py)."""
 
     def __init__(self, linear: nn.Linear):
@@ -142,9 +122,7 @@ class WideLinear(nn.Module):
         self.split_sizes = getattr(linear, "split_sizes", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if widens(x, self.in_features) and not torch.compiler.is_compiling():
-            return linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return product(x, self.weight, self.bias)
 
 
 @torch.no_grad()

@@ -131,10 +131,7 @@ def print_report(report: dict, engines, dtypes, info: dict, bandwidths, argv) ->
             row.append(f"{v['decode_tok_s']:.2f} ({v['util']:.0%})" if v else "–")
         rss = " / ".join(f"{report[(engine, d)]['peak_rss_mib']:.0f}" for d in dtypes if (engine, d) in report)
         print(f"| {NAMES.get(engine, engine)} | " + " | ".join(row) + f" | {rss} |")
-    ratios = []
-    for d in dtypes:  # our engine for that column (the default for fp32 and bf16) against llama.cpp's
-        ours, theirs = report.get((d if d in QUANTIZED else "cache", d)), report.get(("llamacpp", d))
-        ratios.append(f"**{ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x**" if ours and theirs else "–")
+    ratios = [ratio(report, d, lambda ours, theirs: ours["decode_tok_s"] / theirs["decode_tok_s"]) for d in dtypes]
     print("| ours / llama.cpp | " + " | ".join(ratios) + " | |")
     print_first_tokens(report, engines, dtypes)
     for (engine, d), v in report.items():
@@ -148,8 +145,12 @@ def print_first_tokens(report: dict, engines, dtypes) -> None:
     for engine in engines:
         row = [f"{report[(engine, d)]['ttft_s']:.3f}" if (engine, d) in report else "–" for d in dtypes]
         print(f"| {NAMES.get(engine, engine)} | " + " | ".join(row) + " |")
-    ratios = []
-    for d in dtypes:  # > 1: our first token comes sooner
-        ours, theirs = report.get((d if d in QUANTIZED else "cache", d)), report.get(("llamacpp", d))
-        ratios.append(f"**{theirs['ttft_s'] / ours['ttft_s']:.2f}x**" if ours and theirs else "–")
+    ratios = [ratio(report, d, lambda ours, theirs: theirs["ttft_s"] / ours["ttft_s"]) for d in dtypes]  # > 1: ours sooner
     print("| llama.cpp's / ours (above 1: ours sooner) | " + " | ".join(ratios) + " |")
+
+
+def ratio(report: dict, dtype: str, of) -> str:
+    """of(ours, llama.cpp's) for a dtype's column, bold, or a dash where either is missing: ours is the engine of that
+    name for int8 and int4, the default ("cache") for fp32 and bf16."""
+    ours, theirs = report.get((dtype if dtype in QUANTIZED else "cache", dtype)), report.get(("llamacpp", dtype))
+    return f"**{of(ours, theirs):.2f}x**" if ours and theirs else "–"
