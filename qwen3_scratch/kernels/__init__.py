@@ -5,7 +5,8 @@ them as a few kernels a layer), one_row_attention.py (a decode step's attention 
 in place), fewrow.py (products of a few rows sharing one read of a bf16 matrix packed for oneDNN:
 speculative decoding's verification), fuse.py (fused, oneDNN-prepacked matrices for batches), quantize.py
 (int8 weights), int4.py (int4 weights), widen.py (products of many half-precision rows in fp32, on a CPU
-without bf16 instructions) and layout.py, which picks among them; aot.py keeps the compiled
+without bf16 instructions), sgemm.py (fp32 products of several rows through oneDNN on a CPU not made by Intel,
+where MKL's are slow) and layout.py, which picks among them; aot.py keeps the compiled
 kernels on disk as AOTInductor packages, so a later start loads them without the compiler (aot_build.py
 builds them, once, in the background). Each module says what it buys, measured, and
 which test proves it equals the exact path (the model's own layers, model/).

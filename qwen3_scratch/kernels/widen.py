@@ -7,30 +7,36 @@ A prompt is such a product, so a 300-token prompt of the 0.6B shapes waited 16.5
 bf16, against 3.9 s in fp32 (docs/performance.md, "Prompts in bf16 on a CPU without bf16 instructions").
 
 Here the matrix is widened to fp32 a block of BLOCK_ROWS rows at a time, into one buffer that stays in the
-caches, and torch's fp32 product (the CPU's fastest) multiplies the rows by each block:
+caches, and the CPU's fastest fp32 product (sgemm.py: oneDNN's on an AMD CPU, MKL's on an Intel one) multiplies
+the rows by each block:
 
     y[:, block] = x.float() @ W[block].float().T          rounded once to the activations' dtype at the end
 
-From about 12 rows on this is faster; below, F.linear is as fast or faster (one row is matvec.py's loop).
-Measured on the Zen 3, ms for one matrix (6144 x 1024 / 1024 x 3072; at 8 and 12 rows the whole layer's four
-matrices out of cache, scripts/bench/benchmark_matvec.py --rows, put the crossover at 12):
+From about 8 rows on this is faster; below, F.linear is as fast or faster (one row is matvec.py's loop).
+Measured on the Zen 3, weight GB/s for 28 layers' matrices (out of cache; scripts/bench/benchmark_matvec.py
+--rows R --dtypes bfloat16), the widened product's fp32 part by oneDNN (by MKL: 12 rows were the crossover):
 
-    rows              4             8             16            64            300
-    bf16 F.linear     5.1 / 2.6     7.7 / 2.9     12.6 / 5.6    48.8 / 21.8   229 / 103
-    widened           4.9 / 2.4     6.0 / 2.8     6.2 / 5.1     17.2 / 5.8    45 / 20
+    rows                     4            6            8            16
+    q/k/v  F.linear          3.7          2.4          1.9          1.0
+           widened           2.3          2.2          2.2          1.7
+    down   F.linear          4.0          2.8          2.2          1.1
+           widened           2.8          3.1          2.8          2.1
+
+and at 300 rows one 6144 x 1024 matrix took 229 ms through bf16 F.linear, 45 ms widened.
 
 int8 and int4 matrices (quantize.py, int4.py) take bf16 rows wherever they run on a CPU (placement.pick_dtype),
 and torch's int8 and int4 kernels are faster than F.linear there but still slow with many rows: a block of codes
 is widened (int8, `linear_int8`) or unpacked and dequantized (int4, from torch's own packing: int4.py hands
-`products` its blocks) the same way, from MIN_INT8_ROWS and MIN_INT4_ROWS rows on. ms for one matrix, torch's kernel / widened:
+`products` its blocks) the same way, from MIN_INT8_ROWS and MIN_INT4_ROWS rows on. ms for one matrix, torch's
+kernel / widened (oneDNN's fp32 products):
 
-    rows              8             64            128           300
-    int8 6144x1024    2.5 / 10.2    19.4 / 18.0   38.5 / 23.8   89.4 / 43.9
-    int8 1024x3072    1.2 / 4.4     7.6 / 8.1     14.2 / 11.7   32.6 / 19.4
-    int4 6144x1024    2.3 / 24.0    18.2 / 31.8   34.9 / 41.5   78.6 / 61.6
-    int4 1024x3072    1.1 / 13.5    9.1 / 14.9    17.5 / 17.8   27.1 / 22.2
+    rows              16            32            64            128           160
+    int8 6144x1024    4.7 / 6.4     8.4 / 7.7     15.9 / 11.0   33.1 / 18.9   37.8 / 21.1
+    int8 1024x3072    1.9 / 3.0     3.9 / 4.0     7.0 / 5.8     12.9 / 8.8    17.9 / 12.1
+    int4 6144x1024    5.1 / 22.4    9.8 / 24.4    18.3 / 31.9   37.7 / 42.7   43.7 / 40.6
+    int4 1024x3072    2.3 / 15.6    4.5 / 15.7    8.6 / 16.2    12.9 / 19.1   20.9 / 22.2
 
-A 300-token prompt's first token: int8 6.4 -> 3.6 s, int4 6.6 -> 4.5 s.
+A 300-token prompt's first token: int8 6.4 -> 3.6 s, int4 6.6 -> 4.5 s (MKL's fp32 products).
 
 Exactness: a product of two bf16 (or fp16) numbers is exact in fp32, and so is a bf16 row's number times an int8
 code or an int4 weight dequantized in fp32 (int4.dequantize's); the sums are fp32, as in torch's own kernels. Only
@@ -44,13 +50,13 @@ import functools
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from . import sgemm
 from .fuse import replace_linears
 
-MIN_ROWS = 12  # fewer rows run torch's own kernel (F.linear), as fast or faster there
-MIN_INT8_ROWS = 96  # the same for torch's int8 kernel (its crossover: 64-128 rows)
+MIN_ROWS = 8  # fewer rows run torch's own kernel (F.linear), as fast or faster there
+MIN_INT8_ROWS = 48  # the same for torch's int8 kernel (its crossover: 32-64 rows)
 MIN_INT4_ROWS = 160  # and its int4 one, which unpacks the nibbles first (crossover: 128-160 rows)
 BLOCK_ROWS = 512  # rows of the matrix widened at a time: 2 MB of fp32 at K = 1024 (128 and 2048 were slower)
 HALF = (torch.bfloat16, torch.float16)
@@ -84,16 +90,16 @@ def products(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     for start in range(0, n, BLOCK_ROWS):
         end = min(start + BLOCK_ROWS, n)
         fill(block[: end - start], start, end)
-        torch.mm(rows, block[: end - start].t(), out=y[:, start:end])
+        sgemm.mm(rows, block[: end - start], out=y[:, start:end])
     return y
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), widened (`linear`) where that pays: several rows of a float matrix (MatvecLinear's
-    prompts, WideLinear's batches)."""
+    prompts, WideLinear's batches). fp32 rows go through sgemm.linear (oneDNN where MKL is slow)."""
     if widens(x, weight.shape[1]) and not torch.compiler.is_compiling():  # (compiled: F.linear traced)
         return linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return sgemm.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

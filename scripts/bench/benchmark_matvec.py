@@ -2,6 +2,7 @@
 
     python scripts/bench/benchmark_matvec.py                 # fp32, bf16, int8 and int4; GB/s per kernel and matrix
     python scripts/bench/benchmark_matvec.py --rows 5 --dtypes bfloat16   # 5 rows: speculation's few-row products
+    python scripts/bench/benchmark_matvec.py --rows 16 --dtypes float32,bfloat16   # a short prompt's products
 
 Batch-1 decode is these products and little else, so a kernel's GB/s here is the ceiling of decode
 speed. Per matrix shape, 28 layers' worth of matrices (the lm_head once) so nothing stays in the
@@ -12,10 +13,12 @@ layout); for int8 torch._weight_int8pack_mm, torch._int_mm with the activation r
 for int4 (group 32, bf16 activations) torch._weight_int4pack_mm_for_cpu, what kernels/int4.py runs, and
 the compiled loop it was measured against (`int4_loop` below: unpack two nibbles, widen, multiply-add).
 int4 bytes count the nibbles and the bf16 scale and zero point of each group.
-With --rows R (2 to 16, bf16): R activation rows, as a verification forward of speculative decoding has,
-through F.linear, through the matrices packed once for oneDNN (kernels/fewrow.py; not on a CPU whose oneDNN has
-no bf16 kernel) and widened to fp32 a block at a time (kernels/widen.py); GB/s is still the
-weight bytes over the time, so R rows that share one read of the weights run at one row's speed.
+With --rows R (2 or more, fp32 or bf16): R activation rows, as a verification forward of speculative decoding
+(2 to 16) or a prompt has. fp32 through F.linear (MKL's sgemm) and through oneDNN's matmul on the same matrix
+(kernels/sgemm.py); bf16 through F.linear, through the matrices packed once for oneDNN (kernels/fewrow.py; up to 16
+rows, not on a CPU whose oneDNN has no bf16 kernel) and widened to fp32 a block at a time (kernels/widen.py), its
+fp32 products by MKL and by oneDNN. GB/s is still the weight bytes over the time, so R rows that share one read of
+the weights run at one row's speed; GFLOP/s counts 2 R N K.
 """
 
 import argparse
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from machine import Table, machine, machine_line  # noqa: E402
 
 from qwen3_scratch.generation.stats import measure_bandwidth  # noqa: E402
-from qwen3_scratch.kernels import fewrow, widen  # noqa: E402
+from qwen3_scratch.kernels import fewrow, sgemm, widen  # noqa: E402
 from qwen3_scratch.kernels.int4 import quantize_and_pack, quantize_groups  # noqa: E402
 from qwen3_scratch.kernels.matvec import kernel, matvec, matvec_int8  # noqa: E402
 from qwen3_scratch.kernels.quantize import quantize_rows  # noqa: E402
@@ -62,12 +65,24 @@ def float_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
     return kernels
 
 
+def chosen(choice: str, products):
+    """products, with several-row fp32 products run by sgemm's `choice` ("mkl" or "onednn")."""
+    def run():
+        with sgemm.choose(choice):
+            return products()
+    return run
+
+
 def few_row_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
     kernels = {"F.linear": lambda: [F.linear(x, w) for w in weights]}
-    if fewrow.unavailable_reason() is None:
+    if x.dtype == torch.float32:
+        kernels["oneDNN, same matrix (sgemm.py)"] = chosen("onednn", lambda: [sgemm.linear(x, w) for w in weights])
+        return kernels
+    if fewrow.unavailable_reason() is None and len(x) <= fewrow.MAX_ROWS:
         packed = [fewrow.pack(w) for w in weights]
         kernels["oneDNN packed (fewrow.py)"] = lambda: [fewrow.fewrow(x, p) for p in packed]
-    kernels["widened to fp32 (widen.py)"] = lambda: [widen.linear(x, w) for w in weights]
+    for choice in sgemm.CHOICES:
+        kernels[f"widened to fp32 (widen.py), {choice}"] = chosen(choice, lambda: [widen.linear(x, w) for w in weights])
     return kernels
 
 
@@ -117,15 +132,17 @@ def int4_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtypes", default="float32,bfloat16,int8,int4")
-    p.add_argument("--rows", type=int, default=1, help="activation rows per product (2 to 16: bf16 only)")
+    p.add_argument("--rows", type=int, default=1, help="activation rows per product (2 or more: fp32 and bf16 only)")
     args = p.parse_args(argv)
-    if args.rows != 1 and (args.dtypes != "bfloat16" or not 1 < args.rows <= fewrow.MAX_ROWS):
-        p.error(f"--rows {args.rows}: few-row products are measured for bf16 only, with 2 to {fewrow.MAX_ROWS} rows; "
-                "add --dtypes bfloat16")
+    if args.rows < 1:
+        p.error(f"--rows {args.rows}: give 1 or more rows")
+    if args.rows > 1 and not set(args.dtypes.split(",")) <= {"float32", "bfloat16"}:
+        p.error(f"--rows {args.rows}: several-row products are measured for fp32 and bf16 only; "
+                "add --dtypes float32,bfloat16")
     torch.set_grad_enabled(False)
     print(machine_line(machine("cpu", measure_bandwidth("cpu"))))  # bandwidth_gb_s: the copy bandwidth
     print(f"command: python scripts/bench/benchmark_matvec.py {' '.join(argv or sys.argv[1:])}\n")
-    table = Table("matrix", "dtype", "kernel", "GB/s", text_columns=3)
+    table = Table("matrix", "dtype", "kernel", "GB/s", "GFLOP/s", text_columns=3)
     for name, (n, k, count) in SHAPES.items():
         for dtype in args.dtypes.split(","):
             float_dtype = torch.bfloat16 if dtype in ("int8", "int4") else getattr(torch, dtype)
@@ -141,7 +158,9 @@ def main(argv=None) -> None:
             if dtype in ("int8", "int4"):
                 del weights  # only the quantized copies are read
             for label, products in kernels.items():
-                table.row(name, dtype, label, f"{gb_per_s(products, round(n * k * count * element)):.1f}")
+                rate = gb_per_s(products, round(n * k * count * element))  # weight GB/s
+                flops = rate / element * 2 * args.rows  # 2 R N K over the time
+                table.row(name, dtype, label, f"{rate:.1f}", f"{flops:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,111 @@
+"""fp32 products of several rows on a CPU not made by Intel: oneDNN's matmul instead of MKL's.
+
+torch's fp32 F.linear on a CPU calls MKL's sgemm. MKL picks its kernels by the CPU's vendor, and on an AMD
+EPYC it runs far below the CPU's speed at the row counts of a prompt: 22 GFLOP/s at 16 rows on a 2-core
+Zen 3, where the CPU's two FMA units a core would allow several times that. oneDNN (in every torch x86 build;
+the engine's prepacked products already use it, fuse.py) multiplies the same dense matrix, with no copy of it,
+about twice as fast there:
+
+    torch.ops.mkldnn._linear_pointwise(x, W, bias, "none", [], "")      # == F.linear(x, W, bias) in fp32
+
+Measured on the Zen 3, one decoder layer's seven products of the 0.6B shapes (matrices out of cache), ms
+(docs/performance.md, "fp32 products on an AMD CPU"):
+
+    rows                 2       4       8       16      32      64      300
+    F.linear (MKL)       13.9    20.3    17.0    19.8    28.8    40.9    108
+    oneDNN, same matrix  8.1     10.8    9.2     11.5    17.2    32.3    95
+
+Every fp32 product of more than one row on the CPU goes through `linear` or `mm`: MatvecLinear's prompts in fp32
+and the widened products of bf16, int8 and int4 rows (widen.py). One row runs matvec.py's compiled loop instead.
+
+On an Intel CPU MKL runs its own fast kernels, and F.linear is kept. QWEN3_SCRATCH_SGEMM=mkl or =onednn
+overrides the choice (benchmarks compare the two in one run).
+
+Exactness: both are fp32 sums of exact fp32 products; only the order of the sums differs (fp32 rounding,
+tests/test_sgemm.py).
+
+Shapes: R rows, N out_features, K in_features.
+"""
+
+import contextlib
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+CHOICES = ("mkl", "onednn")
+_chosen: str | None = None  # set by `choose`
+
+
+def uses_onednn() -> bool:
+    """True when several-row fp32 products run through oneDNN here: a CPU not made by Intel (where MKL runs
+    generic kernels), or QWEN3_SCRATCH_SGEMM=onednn; False on an Intel CPU or with QWEN3_SCRATCH_SGEMM=mkl."""
+    if _chosen is not None:
+        return _chosen == "onednn" and torch.backends.mkldnn.is_available()
+    return default_uses_onednn()
+
+
+@contextlib.contextmanager
+def choose(choice: str):
+    """Inside the block, several-row fp32 products run by `choice`, "mkl" or "onednn" (benchmarks and tests
+    compare the two in one process)."""
+    global _chosen
+    if choice not in CHOICES:
+        raise ValueError(f"sgemm choice {choice!r}: use one of {', '.join(CHOICES)}")
+    previous, _chosen = _chosen, choice
+    try:
+        yield
+    finally:
+        _chosen = previous
+
+
+@functools.cache
+def default_uses_onednn() -> bool:
+    """uses_onednn's answer from the CPU's vendor and QWEN3_SCRATCH_SGEMM."""
+    choice = os.environ.get("QWEN3_SCRATCH_SGEMM", "").strip().lower()
+    if choice and choice not in CHOICES:
+        warnings.warn(f"QWEN3_SCRATCH_SGEMM={choice!r} is not one of {', '.join(CHOICES)}; ignored", stacklevel=2)
+        choice = ""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if choice:
+        return choice == "onednn"
+    return torch.backends.mkl.is_available() and cpu_vendor() not in ("", "GenuineIntel")
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor_id ("GenuineIntel", "AuthenticAMD", ...), or "" where /proc/cpuinfo says none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def applies(x: torch.Tensor) -> bool:
+    """True when x's rows (fp32, on the CPU, eager) multiply through oneDNN here."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and uses_onednn()
+            and not torch.compiler.is_compiling())  # (compiled: F.linear is traced, and inductor picks)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): x (..., K), weight (N, K) -> (..., N); through oneDNN where `applies`."""
+    if not applies(x) or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, K)
+    y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")  # (R, N)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def mm(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = rows @ weight.T in fp32: rows (R, K), weight (N, K), out (R, N), a view that may be strided."""
+    if applies(rows):
+        out.copy_(torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], ""))
+        return out
+    return torch.mm(rows, weight.t(), out=out)
