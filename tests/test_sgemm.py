@@ -89,19 +89,22 @@ def test_cpuinfo_names_the_vendor():
         assert vendor and f"vendor_id\t: {vendor}" in text
 
 
+@pytest.mark.parametrize("rows", [20, sgemm.MKL_BLOCK_ROWS])
 @pytest.mark.parametrize("choice", sgemm.CHOICES)
-def test_widened_products_run_by_either_choice(monkeypatch, choice):
-    """widen.products' fp32 part runs through the chosen product, within bf16 rounding of the exact one."""
+def test_widened_products_run_by_either_choice(monkeypatch, choice, rows):
+    """widen.products' fp32 part runs through the chosen product (oneDNN's below MKL_BLOCK_ROWS rows only), within
+    bf16 rounding of the exact one."""
     monkeypatch.setattr(widen, "cpu_has_native_bf16", lambda: False)
     generator = torch.Generator().manual_seed(9)
-    x = torch.randn(20, 96, generator=generator).bfloat16()
+    x = torch.randn(rows, 96, generator=generator).bfloat16()
     w = torch.randn(widen.BLOCK_ROWS + 40, 96, generator=generator).bfloat16()
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a) or real(*a))
     with sgemm.choose(choice):
         y = widen.linear(x, w)
-    assert len(calls) == (2 if choice == "onednn" else 0), "one oneDNN product a block, or none"
+    onednn = choice == "onednn" and rows < sgemm.MKL_BLOCK_ROWS
+    assert len(calls) == (2 if onednn else 0), "one oneDNN product a block, or none"
     assert within_rounding(y, x, w, torch.bfloat16)
 
 

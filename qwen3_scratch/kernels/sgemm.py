@@ -17,6 +17,9 @@ Measured on the Zen 3, one decoder layer's seven products of the 0.6B shapes (ma
 
 Every fp32 product of more than one row on the CPU goes through `linear` or `mm`: MatvecLinear's prompts in fp32
 and the widened products of bf16, int8 and int4 rows (widen.py). One row runs matvec.py's compiled loop instead.
+A widened block of 512 rows (2 MB, in the caches) times 300 rows ran 5-10% faster by MKL (benchmark_matvec.py
+--rows 300 --dtypes bfloat16), so `mm` keeps MKL from MKL_BLOCK_ROWS rows on; a whole fp32 matrix
+(`linear`) was still 1.04-1.57x faster by oneDNN at 300 rows.
 
 On an Intel CPU MKL runs its own fast kernels, and F.linear is kept. QWEN3_SCRATCH_SGEMM=mkl or =onednn
 overrides the choice (benchmarks compare the two in one run).
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 CHOICES = ("mkl", "onednn")
+MKL_BLOCK_ROWS = 256  # a widened block (widen.py) times this many rows or more: MKL's product is as fast or faster
 _chosen: str | None = None  # set by `choose`
 
 
@@ -104,8 +108,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def mm(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = rows @ weight.T in fp32: rows (R, K), weight (N, K), out (R, N), a view that may be strided."""
-    if applies(rows):
+    """out = rows @ weight.T in fp32: rows (R, K), weight (N, K), out (R, N), a view that may be strided.
+    widen.products' product of one block; from MKL_BLOCK_ROWS rows on MKL's is kept (measured faster there)."""
+    if applies(rows) and len(rows) < MKL_BLOCK_ROWS:
         out.copy_(torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], ""))
         return out
     return torch.mm(rows, weight.t(), out=out)
