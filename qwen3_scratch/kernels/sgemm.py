@@ -1,25 +1,27 @@
 """fp32 products of several rows on a CPU not made by Intel: oneDNN's matmul instead of MKL's.
 
 torch's fp32 F.linear on a CPU calls MKL's sgemm. MKL picks its kernels by the CPU's vendor, and on an AMD
-EPYC it runs far below the CPU's speed at the row counts of a prompt: 22 GFLOP/s at 16 rows on a 2-core
-Zen 3, where the CPU's two FMA units a core would allow several times that. oneDNN (in every torch x86 build;
-the engine's prepacked products already use it, fuse.py) multiplies the same dense matrix, with no copy of it,
-about twice as fast there:
+EPYC it runs far below the CPU's speed at the row counts of a prompt: 16-28 GFLOP/s at 16 rows on a 2-core
+Zen 3, where the memory and the CPU's two FMA units a core would allow several times that. oneDNN (in every torch
+x86 build; the engine's prepacked products already use it, fuse.py) multiplies the same dense matrix, with no
+copy of it and no extra memory, about twice as fast there:
 
     torch.ops.mkldnn._linear_pointwise(x, W, bias, "none", [], "")      # == F.linear(x, W, bias) in fp32
 
-Measured on the Zen 3, one decoder layer's seven products of the 0.6B shapes (matrices out of cache), ms
-(docs/performance.md, "fp32 products on an AMD CPU"):
+Measured on the Zen 3, 16 rows times 28 layers' matrices of the 0.6B shapes (out of cache), GB/s of weights and
+GFLOP/s (scripts/bench/benchmark_matvec.py --rows 16 --dtypes float32; docs/performance.md, "fp32 products on an
+AMD CPU"):
 
-    rows                 2       4       8       16      32      64      300
-    F.linear (MKL)       13.9    20.3    17.0    19.8    28.8    40.9    108
-    oneDNN, same matrix  8.1     10.8    9.2     11.5    17.2    32.3    95
+    16 rows               q/k/v        o            gate/up      down         lm_head
+    F.linear (MKL)        2.7 (21.5)   3.5 (27.8)   2.3 (18.3)   3.5 (27.9)   2.1 (16.6)
+    oneDNN, same matrix   4.1 (32.8)   4.7 (37.2)   5.4 (43.3)   4.3 (34.3)   5.9 (47.1)
+
+and at 300 rows oneDNN's was still 1.04-1.57x faster.
 
 Every fp32 product of more than one row on the CPU goes through `linear` or `mm`: MatvecLinear's prompts in fp32
 and the widened products of bf16, int8 and int4 rows (widen.py). One row runs matvec.py's compiled loop instead.
 A widened block of 512 rows (2 MB, in the caches) times 300 rows ran 5-10% faster by MKL (benchmark_matvec.py
---rows 300 --dtypes bfloat16), so `mm` keeps MKL from MKL_BLOCK_ROWS rows on; a whole fp32 matrix
-(`linear`) was still 1.04-1.57x faster by oneDNN at 300 rows.
+--rows 300 --dtypes bfloat16), so `mm` keeps MKL from MKL_BLOCK_ROWS rows on.
 
 On an Intel CPU MKL runs its own fast kernels, and F.linear is kept. QWEN3_SCRATCH_SGEMM=mkl or =onednn
 overrides the choice (benchmarks compare the two in one run).

@@ -7,8 +7,8 @@ A prompt is such a product, so a 300-token prompt of the 0.6B shapes waited 16.5
 bf16, against 3.9 s in fp32 (docs/performance.md, "Prompts in bf16 on a CPU without bf16 instructions").
 
 Here the matrix is widened to fp32 a block of BLOCK_ROWS rows at a time, into one buffer that stays in the
-caches, and the CPU's fastest fp32 product (sgemm.py: oneDNN's on an AMD CPU, MKL's on an Intel one) multiplies
-the rows by each block:
+caches, and the CPU's fastest fp32 product (sgemm.py: oneDNN's on a CPU not made by Intel, MKL's on an Intel
+one) multiplies the rows by each block:
 
     y[:, block] = x.float() @ W[block].float().T          rounded once to the activations' dtype at the end
 
