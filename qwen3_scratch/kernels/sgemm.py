@@ -104,8 +104,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias): x (..., K), weight (N, K) -> (..., N); through oneDNN where `applies`."""
     if not applies(x) or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, K)
-    y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")  # (R, N)
+    y = onednn(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)  # (R, N)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -113,6 +112,10 @@ def mm(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Ten
     """out = rows @ weight.T in fp32: rows (R, K), weight (N, K), out (R, N), a view that may be strided.
     widen.products' product of one block; from MKL_BLOCK_ROWS rows on MKL's is kept (measured faster there)."""
     if applies(rows) and len(rows) < MKL_BLOCK_ROWS:
-        out.copy_(torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], ""))
-        return out
+        return out.copy_(onednn(rows, weight))
     return torch.mm(rows, weight.t(), out=out)
+
+
+def onednn(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's product of rows (R, K) and the dense weight (N, K), transposed, plus bias -> (R, N) fp32."""
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
