@@ -19,8 +19,9 @@ from make_tiny_checkpoint import make_tiny_checkpoint
 from qwen3_scratch.checkpoint.placement import pick_dtype
 from qwen3_scratch.cli.generate import EXAMPLES, build_parser
 from qwen3_scratch.cli.inputs import stdin_waiting
+from qwen3_scratch.engine.llm import LLM
 from qwen3_scratch.generation.pipeline import Pipeline
-from qwen3_scratch.kernels.widen import cpu_has_native_bf16
+from qwen3_scratch.kernels import widen
 from qwen3_scratch.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,11 +96,28 @@ def test_dtype_aliases_name_torch_dtypes(alias, dtype):
 def test_auto_dtype_is_bf16_with_quantized_weights_on_any_cpu(tiny):
     """With int8 or int4 weights every product is torch's int kernel, fast with bf16 rows and 5-13x slower with fp32
     ones on a CPU without native bf16 (docs/performance.md): auto picks bf16 there too, and the Pipeline loads so."""
-    assert pick_dtype("auto", "cpu", "int8") == pick_dtype("auto", "cpu", "int4") == "bfloat16"
-    assert pick_dtype("auto", "cpu") == ("bfloat16" if cpu_has_native_bf16() else "float32")
+    for layout in ("decode", "batch"):
+        assert pick_dtype("auto", "cpu", "int8", layout) == pick_dtype("auto", "cpu", "int4", layout) == "bfloat16"
     assert pick_dtype("fp32", "cpu", "int8") == "float32", "a dtype the user names is kept"
     pipe = Pipeline.load(tiny, quantize="int4", quantize_group_size=32)
     assert pipe.model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_dtype_is_fp32_only_for_an_engine_of_many_rows_on_a_cpu_without_bf16(tiny, native, monkeypatch):
+    """One conversation's layout reads bf16 in its compiled loops and widens prompts to fp32 (kernels/widen.py):
+    faster than fp32 on any CPU (a Zen 3: decode 9.6 against 6.2 tok/s, half the memory). An engine of many rows
+    is faster in fp32 where the CPU has no bf16 instructions (oneDNN packs fp32 only). Both CPUs pretended here,
+    through the Python APIs' own loads."""
+    monkeypatch.setattr(widen, "cpu_has_native_bf16", lambda: native)
+    assert pick_dtype("auto", "cpu") == pick_dtype("auto", "cpu", None, "decode") == "bfloat16"
+    assert pick_dtype("auto", "cpu", None, "batch") == ("bfloat16" if native else "float32")
+    assert pick_dtype("auto", "cuda", None, "batch") == "bfloat16"
+    assert pick_dtype("float32", "cpu", None, "decode") == "float32", "a dtype the user names is kept"
+    assert Pipeline.load(tiny).model.model.embed_tokens.weight.dtype == torch.bfloat16
+    many, own = LLM(tiny, num_blocks=16, block_size=8), LLM(tiny, num_blocks=16, block_size=8, max_num_seqs=1)
+    assert many.model.model.embed_tokens.weight.dtype == (torch.bfloat16 if native else torch.float32)
+    assert own.model.model.embed_tokens.weight.dtype == torch.bfloat16, "a person's own server: one-row layout"
 
 
 def test_dtype_alias_on_the_command_line_loads_that_dtype(tiny, capsys):

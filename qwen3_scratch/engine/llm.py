@@ -152,7 +152,7 @@ class LLM:
         # is then per rank.
         optimize = engine_layout(torch.device(device), max_num_seqs, tensor_parallel_size)
         layout = dict(optimize=optimize, quantize=quantize, quantize_group_size=quantize_group_size)
-        dtype = pick_dtype(dtype, device, quantize)
+        dtype = pick_dtype(dtype, device, quantize, optimize)
         if tensor_parallel_size != 1:  # (0 or -1 are refused there, in one line)
             self.model = load_parallel_model(self.checkpoint, tensor_parallel_size, device, dtype, **layout)
         else:

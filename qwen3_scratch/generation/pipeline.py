@@ -103,7 +103,7 @@ class Pipeline:
                                     verify=verify)  # fmt: skip
         tokenizer = Tokenizer.from_checkpoint(folder)
         layout = dict(optimize="decode", quantize=quantize, quantize_group_size=quantize_group_size)
-        dtype = pick_dtype(dtype, device, quantize)
+        dtype = pick_dtype(dtype, device, quantize, layout["optimize"])
         draft = None
         if draft_model is not None:
             draft_folder = resolve_checkpoint(draft_model, weights_dir, local_files_only=local_files_only)
