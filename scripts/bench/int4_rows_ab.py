@@ -5,13 +5,18 @@ cores, where the memory would stream about 50 G nibbles/s). The candidate is wri
 inductor (matvec.kernel), as the int8 words loop is:
 
 - the codes eight nibbles to a 32-bit word, read as float32 (the load at::vec does at full speed on AVX2):
-  nibble b of word j holds column b*K/8 + j;
+  nibble b of word j holds column 8j + b, so a word lies inside one group;
 - the words of eight rows side by side, so a vector holds eight rows and the row's activation is one broadcast
   number: no horizontal sum, and a group's scale multiplies eight rows' partial sums at once;
-- each group's sum of q * x in fp32, times its scale, plus (zero - 8 * scale) times the group's sum of x: the
-  product of the dequantized matrix in fp32, with no bf16 rounding of the weights (torch's kernel rounds them).
+- each nibble position its own accumulator; each group's sum of q * x in fp32 times its scale, plus
+  (zero - 8 * scale) times the group's sum of x: the product of the dequantized matrix in fp32, with no bf16
+  rounding of the weights (torch's kernel rounds them).
+
+Several rows (`--rows`) run the loop once per row, against torch's kernel, which unpacks each weight once for
+all the rows.
 
     python scripts/bench/int4_rows_ab.py                 # the 0.6B shapes, 32 matrices of each cycled (out of cache)
+    python scripts/bench/int4_rows_ab.py --rows 8,21,64  # several rows: ms for one 6144 x 1024 matrix
 
 Prints G weights/s per shape for both, two rounds each, and the relative error against the fp64 product of the
 dequantized matrix. Not used by the package: the figures are in docs/performance.md.
@@ -31,10 +36,10 @@ SHAPES = {"q/k/v": (4096, 1024), "o": (1024, 2048), "gate/up": (6144, 1024), "do
 
 
 def pack_rows(codes: torch.Tensor) -> torch.Tensor:
-    """codes (N, K) in [0, 15] -> words (N/8, K/8, 8) float32: [m, j, r] holds row 8m + r's column b*K/8 + j
-    in nibble b."""
+    """codes (N, K) in [0, 15] -> words (N/8, K/8, 8) float32: [m, j, r] holds row 8m + r's columns 8j .. 8j + 7,
+    column 8j + b in nibble b."""
     N, K = codes.shape
-    c = codes.view(N // ROWS, ROWS, 8, K // 8).permute(0, 3, 1, 2).to(torch.int32)  # (m, j, r, b)
+    c = codes.view(N // ROWS, ROWS, K // 8, 8).permute(0, 2, 1, 3).to(torch.int32)  # (m, j, r, b)
     words = torch.zeros(N // ROWS, K // 8, ROWS, dtype=torch.int32)
     for b in range(8):
         words |= c[..., b] << (4 * b)
@@ -47,18 +52,17 @@ def by_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(N // ROWS, ROWS, G).transpose(1, 2).contiguous()
 
 
-def int4_rows(eighths, group_sums, words, scales, offsets):
-    """eighths (8, K/8): x in eighths; group_sums (G,): x summed by group; words (N/8, K/8, 8); scales and
-    offsets (N/8, G, 8), offset = zero - 8 * scale -> (N,) fp32."""
-    M, W, _ = words.shape
-    J = W // GROUP  # groups in an eighth
-    bits = words.view(torch.int32).view(M, J, GROUP, ROWS)
-    s = scales.view(M, 8, J, ROWS)
-    y = (offsets * group_sums.view(1, -1, 1)).sum(1)  # (M, 8)
+def int4_rows(x, words, scales, offsets):
+    """x (1, K) fp32; words (N/8, K/8, 8); scales and offsets (N/8, G, 8), offset = zero - 8 * scale -> (N,) fp32."""
+    M, G = scales.shape[:2]
+    g = x.shape[-1] // G
+    bits = words.view(torch.int32).view(M, G, g // 8, ROWS)
+    columns = x.view(G, g // 8, 8)
+    sums = None
     for b in range(8):
-        q = ((bits >> (4 * b)) & 15).float()
-        y = y + ((q * eighths[b].view(J, GROUP, 1)).sum(2) * s[:, b]).sum(1)
-    return y.view(-1)
+        sum_b = (((bits >> (4 * b)) & 15).float() * columns[:, :, b].view(G, g // 8, 1)).sum(2)  # (M, G, 8)
+        sums = sum_b if sums is None else sums + sum_b
+    return (sums * scales + offsets * x.view(G, g).sum(-1).view(1, G, 1)).sum(1).view(-1)
 
 
 def seconds(fn, repeats: int = 7) -> float:
@@ -71,25 +75,22 @@ def seconds(fn, repeats: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(N: int, K: int, copies: int, rounds: int) -> str:
-    """One shape: both products on `copies` random matrices, cycled; G weights/s a round, and their errors."""
+def matrices(N: int, K: int, copies: int):
+    """`copies` random (N, K) matrices quantized: their codes and scales_and_zeros, the words layout's
+    (words, scales, offsets), and torch's packing with bf16 scales_and_zeros."""
     codes, scales_and_zeros = zip(*(int4.quantize_groups(torch.randn(N, K) * 0.02, GROUP) for _ in range(copies)))
+    ours = [(pack_rows(q), by_rows(sz[..., 0].t().contiguous()), by_rows((sz[..., 1] - 8 * sz[..., 0]).t().contiguous()))
+            for q, sz in zip(codes, scales_and_zeros)]  # fmt: skip
+    theirs = [(int4.pack(q), sz.bfloat16()) for q, sz in zip(codes, scales_and_zeros)]
+    return codes, scales_and_zeros, ours, theirs
+
+
+def measure(N: int, K: int, copies: int, rounds: int) -> str:
+    """One shape, one row: both products on `copies` matrices, cycled; G weights/s a round, and their errors."""
+    codes, scales_and_zeros, ours, theirs = matrices(N, K, copies)
     x = torch.randn(1, K)
-    words = [pack_rows(q) for q in codes]
-    scales = [by_rows(sz[..., 0].t().contiguous()) for sz in scales_and_zeros]
-    offsets = [by_rows((sz[..., 1] - 8 * sz[..., 0]).t().contiguous()) for sz in scales_and_zeros]
-    eighths, group_sums = x.view(8, K // 8).contiguous(), x.view(K // GROUP, GROUP).sum(-1)
-    compiled = kernel(int4_rows, eighths, group_sums, words[0], scales[0], offsets[0])
-    packed = [int4.pack(q) for q in codes]
-    torch_sz = [sz.bfloat16() for sz in scales_and_zeros]
+    compiled = kernel(int4_rows, x, *ours[0])
     xb = x.bfloat16()
-
-    def theirs(i: int) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(xb, packed[i], GROUP, torch_sz[i])
-
-    def ours(i: int) -> torch.Tensor:
-        return compiled(eighths, group_sums, words[i], scales[i], offsets[i])
-
     exact = (x.double() @ int4.dequantize(codes[0], scales_and_zeros[0]).double().t())[0]
 
     def error(y: torch.Tensor) -> float:
@@ -97,19 +98,38 @@ def measure(N: int, K: int, copies: int, rounds: int) -> str:
 
     line = []
     for _ in range(rounds):
-        t_torch = seconds(lambda: [theirs(i) for i in range(copies)]) / copies
-        t_rows = seconds(lambda: [ours(i) for i in range(copies)]) / copies
+        t_torch = seconds(lambda: [torch._weight_int4pack_mm_for_cpu(xb, p, GROUP, sz) for p, sz in theirs]) / copies
+        t_rows = seconds(lambda: [compiled(x, *m) for m in ours]) / copies
         line.append(f"torch {N * K / t_torch / 1e9:5.1f}, rows {N * K / t_rows / 1e9:5.1f}")
-    return " | ".join(line) + f"  (error: torch {error(theirs(0)):.1e}, rows {error(ours(0)):.1e})"
+    torch_error = error(torch._weight_int4pack_mm_for_cpu(xb, theirs[0][0], GROUP, theirs[0][1]))
+    errors = f"error: torch {torch_error:.1e}, rows {error(compiled(x, *ours[0])):.1e}"
+    return " | ".join(line) + f"  ({errors})"
+
+
+def several(N: int, K: int, rows: int) -> str:
+    """rows rows through one matrix: the loop once per row against torch's kernel, ms."""
+    _, _, ours, theirs = matrices(N, K, 1)
+    x = torch.randn(rows, K)
+    compiled = kernel(int4_rows, x[:1], *ours[0])
+    xb = x.bfloat16()
+    t_torch = seconds(lambda: torch._weight_int4pack_mm_for_cpu(xb, theirs[0][0], GROUP, theirs[0][1]))
+    t_rows = seconds(lambda: [compiled(x[i : i + 1], *ours[0]) for i in range(rows)])
+    return f"torch {t_torch * 1e3:6.1f} ms, rows once a row {t_rows * 1e3:6.1f} ms ({t_rows / t_torch:.1f}x)"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--copies", type=int, default=32, help="matrices of each shape, cycled (default 32)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rows", default=None, help="comma-separated row counts: several rows through 6144 x 1024 instead")
     args = p.parse_args()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.copies} matrices a shape; G weights/s")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.rows:
+        for rows in map(int, args.rows.split(",")):
+            print(f"{rows:4d} rows: {several(6144, 1024, rows)}", flush=True)
+        return
+    print(f"{args.copies} matrices a shape, one row; G weights/s")
     for name, (N, K) in SHAPES.items():
         print(f"{name:8s} {N}x{K}: {measure(N, K, args.copies, args.rounds)}", flush=True)
 
