@@ -15,7 +15,8 @@ inductor (matvec.kernel), as the int8 words loop is:
 Several rows (`--rows`) run the loop once per row, against torch's kernel, which unpacks each weight once for
 all the rows. So a third candidate reads torch's own packing, which torch's kernel keeps serving for several
 rows: its bytes as float32 words, eight words being two columns of sixteen rows; the eight (byte, nibble)
-extractions of a word each give eight rows; the scales laid out by lane (twice each: two columns share a row).
+extractions of a word each give eight rows; the scales laid out by lane (twice each: two columns share a row),
+and by row for the zero points' term.
 
     python scripts/bench/int4_rows_ab.py                 # the 0.6B shapes, 32 matrices of each cycled (out of cache)
     python scripts/bench/int4_rows_ab.py --rows 8,21,64  # several rows: ms for one 6144 x 1024 matrix
@@ -75,21 +76,22 @@ def lane_scales(scales: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(-2).expand(4, 2, N // 64, 2, G, 2, 4).reshape(8, N // 64, 2, G, 8).contiguous()
 
 
-def packed_rows(pairs, words, scales, offset_sums):
+def packed_rows(x, words, scales, scales_and_zeros_by_row):
     """One row times torch's own CPU packing (int4.unpack's layout), its bytes read as float32 words, eight words
-    = two columns of sixteen rows: pairs (K/2, 8), pairs[k2, l] = x[2*k2 + l // 4]; words (N/64, 2, K/2, 8);
-    scales from lane_scales; offset_sums (N,) = sum over groups of (zero - 8 * scale) * the group's sum of x."""
+    = two columns of sixteen rows: x (1, K) fp32; words (N/64, 2, K/2, 8); scales from lane_scales;
+    scales_and_zeros_by_row (N, 2, G), for the offsets' sums (zero - 8 * scale) times each group's sum of x."""
     B, _, K2, _ = words.shape
     G = scales.shape[3]
     bits = words.view(torch.int32).view(B, 2, G, K2 // G, 8)
-    columns = pairs.view(G, K2 // G, 8)
+    columns = x.view(G, K2 // G, 2, 1).expand(G, K2 // G, 2, 4).reshape(G, K2 // G, 8)  # lane l: column 2k2 + l // 4
     rows = []
     for p in range(4):  # the byte of the word
         for s in range(2):  # its low or high nibble
             sums = (((bits >> (8 * p + 4 * s)) & 15).float() * columns).sum(3)  # (B, 2, G, 8)
             rows.append((sums * scales[2 * p + s]).sum(2).view(B, 2, 2, 4).sum(2))  # (B, 2, 4): lanes l, l+4 added
     y = torch.stack(rows).view(4, 2, B, 2, 4).permute(2, 3, 1, 4, 0).reshape(-1)  # row h*32 + s*16 + 4w + p
-    return y + offset_sums
+    scale, zero = scales_and_zeros_by_row[:, 0], scales_and_zeros_by_row[:, 1]  # (N, G)
+    return y + ((zero - 8 * scale) * x.view(G, -1).sum(-1)).sum(-1)
 
 
 def seconds(fn, repeats: int = 7) -> float:
@@ -123,23 +125,21 @@ def measure(N: int, K: int, copies: int, rounds: int) -> str:
     def error(y: torch.Tensor) -> float:
         return ((y.double().view(-1) - exact).abs().max() / exact.abs().max()).item()
 
-    # the loop over torch's packing: its inputs built outside the timed calls, as a kernel's caller would once
-    pairs = x.view(K // 2, 2, 1).expand(K // 2, 2, 4).reshape(K // 2, 8).contiguous()
-    group_sums = x.view(-1, GROUP).sum(-1)
+    # the loop over torch's packing: its scales laid out by lane and by row once, as a layer would keep them
     over_packing = [(p.view(torch.float32).view(N // 64, 2, K // 2, 8), lane_scales(sz[..., 0].t().contiguous()),
-                     ((sz[..., 1] - 8 * sz[..., 0]).t() * group_sums).sum(-1))
+                     sz.permute(1, 2, 0).contiguous())
                     for p, sz in zip((t[0] for t in theirs), scales_and_zeros)]  # fmt: skip
-    compiled_packed = kernel(packed_rows, pairs, *over_packing[0])
+    compiled_packed = kernel(packed_rows, x, *over_packing[0])
     line = []
     for _ in range(rounds):
         t_torch = seconds(lambda: [torch._weight_int4pack_mm_for_cpu(xb, p, GROUP, sz) for p, sz in theirs]) / copies
         t_rows = seconds(lambda: [compiled(x, *m) for m in ours]) / copies
-        t_packed = seconds(lambda: [compiled_packed(pairs, *m) for m in over_packing]) / copies
+        t_packed = seconds(lambda: [compiled_packed(x, *m) for m in over_packing]) / copies
         line.append(f"torch {N * K / t_torch / 1e9:5.1f}, rows {N * K / t_rows / 1e9:5.1f}, "
                     f"over torch's packing {N * K / t_packed / 1e9:5.1f}")  # fmt: skip
     torch_error = error(torch._weight_int4pack_mm_for_cpu(xb, theirs[0][0], GROUP, theirs[0][1]))
     errors = (f"error: torch {torch_error:.1e}, rows {error(compiled(x, *ours[0])):.1e}, "
-              f"over torch's packing {error(compiled_packed(pairs, *over_packing[0])):.1e}")  # fmt: skip
+              f"over torch's packing {error(compiled_packed(x, *over_packing[0])):.1e}")  # fmt: skip
     return " | ".join(line) + f"  ({errors})"
 
 
