@@ -163,6 +163,24 @@ def test_a_servers_paged_attention_and_glue_are_packaged_after_it_exits_for_any_
     assert later[1] == "[]", f"an engine with its paged attention and glue stored imported {later[1]}"
 
 
+def test_the_engines_fp32_glue_is_stored_and_equals_its_compiled_kernel_for_any_token_count_one_included(kernel_cache):
+    """A CPU engine's glue (gpu_decode.py) is compiled for any token count, then packaged for any: the two must be
+    one kernel. dynamo's kernel for a single token summed an fp32 norm's row in another order than the package,
+    the builder refused it, and every fp32 server start compiled its glue again; compiled with sizes oblivious
+    (aot.compile_for_any_size), it is stored, and its bits are the compiled kernel's at every count."""
+    g = torch.Generator().manual_seed(0)
+    weight, eps = torch.randn(1024, generator=g), {"eps": 1e-6}
+    assert gpu_decode.stored_any_length_kernel(gpu_decode.norm, [torch.zeros(1, 1, 1024), weight], eps) is None
+    (key,) = [key for key in aot.PENDING.values() if key["function"].endswith(":norm")]
+    assert aot_build.build_dynamic(key), "the fp32 norm's package is not the compiled kernel, bit for bit"
+    gpu_decode._stored.cache_clear()
+    stored = gpu_decode.stored_any_length_kernel(gpu_decode.norm, [torch.zeros(1, 1, 1024), weight], eps)
+    compiled = gpu_decode.any_size_kernel(gpu_decode.norm)
+    for B, T in ((1, 1), (1, 7), (4, 1), (3, 16)):
+        x = torch.randn(B, T, 1024, generator=g)
+        assert torch.equal(stored(x, weight), compiled(x, weight, **eps)), f"{B} rows of {T} tokens"
+
+
 def test_the_cache_key_follows_shapes_dtype_torch_version_and_the_machine(kernel_cache, monkeypatch):
     x, w = torch.empty(1, 64), torch.empty(32, 64, dtype=torch.bfloat16)
     folder = aot.entry_folder(aot.kernel_key(matvec.matvec, [x, w], {}))

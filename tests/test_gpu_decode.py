@@ -174,8 +174,8 @@ def test_the_engines_steps_run_the_glue_for_any_token_count_with_the_plain_layer
     expected = engine_tokens(model, prompts)
     assert use_gpu_decoder_layers(model, any_length=True)
     counts = []
-    real = gpu_decode.any_length_kernel
-    gpu_decode.any_length_kernel = lambda fn: (lambda *a, **k: counts.append(a[0].shape[1]) or real(fn)(*a, **k))
+    real = gpu_decode.any_size_kernel  # a CPU's any_length_kernel
+    gpu_decode.any_size_kernel = lambda fn: (lambda *a, **k: counts.append(a[0].shape[1]) or real(fn)(*a, **k))
     config = model.config  # the pool's in-place kernel, built as the engine's warm-up builds it
     assert paged_attention.supported(config, "cpu", model.activation_dtype)
     try:
@@ -184,7 +184,7 @@ def test_the_engines_steps_run_the_glue_for_any_token_count_with_the_plain_layer
         with torch.compiler.set_stance("fail_on_recompile"):
             assert engine_tokens(model, prompts) == expected, dtype
     finally:
-        gpu_decode.any_length_kernel = real
+        gpu_decode.any_size_kernel = real
     # steps padded to their buckets: prompt chunks (16 tokens and more) and decode rows (a few) both ran the glue
     assert max(counts) >= 16 and min(counts) <= 4, f"token counts the glue ran for: {sorted(set(counts))}"
 

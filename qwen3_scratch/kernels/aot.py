@@ -102,13 +102,40 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+ANY_SIZE = "torch.compile for any size, 1 included"  # a dynamic key's "reference": compile_for_any_size
+
+
+def compile_for_any_size(fn, options: dict):
+    """fn compiled by torch.compile with dynamic shapes, one kernel for every size of them, 1 included.
+
+    By default dynamo specialises a size of 1, and inductor's kernel for one row may sum that row in another
+    order (its reduction split between the threads) than the kernel for any rows, which is what a package
+    exported with symbolic sizes runs: in fp32 their bits differed for one token, so the CPU engine's fp32 norm
+    was never stored and every fp32 server start compiled its glue again (~7 s on an AMD EPYC Zen 3;
+    docs/performance.md). With sizes treated obliviously (torch.fx's `backed_size_oblivious`, set while each call
+    runs, ~6 us: a recompile may happen at any call) the compiled kernel is the package's, at every size."""
+    import torch
+    from torch.fx.experimental import _config as fx_config
+
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(options))
+
+    def call(*args, **constants):
+        before, fx_config.backed_size_oblivious = fx_config.backed_size_oblivious, True
+        try:
+            return compiled(*args, **constants)
+        finally:
+            fx_config.backed_size_oblivious = before
+
+    return call
+
+
 def kernel_key(fn, args, constants: dict, dynamic: dict | None = None) -> dict:
     """Everything a kernel's code depends on, as JSON (also what the builder needs to rebuild it).
 
     dynamic: a kernel for any size of some dimensions (one package with dynamic shapes; aot_build.build_dynamic):
     {"shapes": each argument's shape with a name ("B") in place of each such size, "examples", "reference":
     "module:function" names of what makes inputs from sizes and of the compiled kernel the package must equal
-    ("torch.compile": fn compiled for any size with the options below),
+    (ANY_SIZE: fn compiled for any size with the options below, by `compile_for_any_size`),
     "sizes": the sizes it is exported at (the first) and checked at (all), "inductor": its inductor options}.
     The arguments' own sizes then do not enter the key, only their dtypes."""
     shapes = dynamic["shapes"] if dynamic else [list(a.shape) for a in args]

@@ -132,8 +132,8 @@ def build_dynamic(key: dict) -> bool:
 
     fn, constants, spec = resolve(key["function"]), key["constants"], key["dynamic"]
     make = resolve(spec["examples"])
-    if spec["reference"] == "torch.compile":  # fn as torch.compile builds it for any size, with these options
-        reference = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(spec["inductor"]))
+    if spec["reference"] == aot.ANY_SIZE:  # fn as torch.compile builds it for any size, with these options
+        reference = aot.compile_for_any_size(fn, spec["inductor"])
     else:
         reference = resolve(spec["reference"])
     names = sorted({size for shape, _ in key["args"] for size in shape if isinstance(size, str)})

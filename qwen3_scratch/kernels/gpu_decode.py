@@ -62,6 +62,7 @@ from .matvec import kernel
 log = logging.getLogger("qwen3_scratch.kernels")
 
 _DYNAMIC: dict = {}  # function -> fn compiled once for any number of tokens
+_ANY_SIZE: dict = {}  # the same on a CPU, 1 included: the kernel a stored package must equal (any_size_kernel)
 
 
 def any_length_kernel(fn):
@@ -71,6 +72,15 @@ def any_length_kernel(fn):
     compiled = _DYNAMIC.get(fn)
     if compiled is None:
         compiled = _DYNAMIC[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=dict(aot.INDUCTOR_OPTIONS))
+    return compiled
+
+
+def any_size_kernel(fn):
+    """any_length_kernel on a CPU: one kernel for every token count, one token included
+    (aot.compile_for_any_size), so that it is the kernel a stored package runs, bit for bit."""
+    compiled = _ANY_SIZE.get(fn)
+    if compiled is None:
+        compiled = _ANY_SIZE[fn] = aot.compile_for_any_size(fn, aot.INDUCTOR_OPTIONS)
     return compiled
 
 
@@ -92,7 +102,7 @@ def _stored(fn, shapes: tuple, constants: tuple):
     shapes_only = [list(shape) for _, shape in shapes]
     args = [torch.empty(0, dtype=dtype) for dtype, _ in shapes]  # the key reads their dtypes; the sizes are named
     dynamic = {"shapes": shapes_only, "examples": "qwen3_scratch.kernels.aot_build:examples",
-               "reference": "torch.compile", "sizes": PACKAGE_SIZES, "inductor": dict(aot.INDUCTOR_OPTIONS)}  # fmt: skip
+               "reference": aot.ANY_SIZE, "sizes": PACKAGE_SIZES, "inductor": dict(aot.INDUCTOR_OPTIONS)}  # fmt: skip
     return aot.load_or_remember(fn, args, dict(constants), dynamic)
 
 
@@ -167,11 +177,11 @@ class GPUDecoderLayer(DecoderLayer):
     @staticmethod
     def cpu_glue(fn, args, constants: dict):
         """What runs fn on a CPU engine's steps: its stored package, else (stored kernels on) the compiled kernel
-        the builder will package, else the eager ops."""
+        the builder will package (any_size_kernel), else the eager ops."""
         stored = stored_any_length_kernel(fn, args, constants)
         if stored is not None:
             return lambda *args: stored(*[a.contiguous() for a in args])
-        compiled = any_length_kernel(fn) if aot.enabled() else fn
+        compiled = any_size_kernel(fn) if aot.enabled() else fn
         return lambda *args: compiled(*args, **constants)
 
 
