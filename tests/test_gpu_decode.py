@@ -179,8 +179,8 @@ def test_the_engines_steps_run_the_glue_for_any_token_count_with_the_plain_layer
     config = model.config  # the pool's in-place kernel, built as the engine's warm-up builds it
     assert paged_attention.supported(config, "cpu", model.activation_dtype)
     try:
-        # the kernels built for one token and for two serve every step: a recompile (seconds, on a GPU a Triton
-        # build in the engine's first prompt step) raises
+        # the kernels built at load serve every step (on a CPU one for any count, one token included): a recompile
+        # (seconds, on a GPU a Triton build in the engine's first prompt step) raises
         with torch.compiler.set_stance("fail_on_recompile"):
             assert engine_tokens(model, prompts) == expected, dtype
     finally:

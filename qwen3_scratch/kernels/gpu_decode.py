@@ -38,12 +38,12 @@ A CPU engine's layers ("batch" layout) run the same four kernels, stored as AOTI
 one per kernel for any rows and tokens: there they save the ~20 eager ops of a layer's glue (a decode step of the
 0.6B shapes at 4-32 rows, bf16, AMD EPYC: 8-18% shorter; scripts/bench/engine_glue.py), where torch.compile's
 kernels lose part of that to dynamo's guards, four calls a layer. A process that finds no package compiles them at
-load (10-35 s alone, once per machine, shapes and torch; a first `qwen3-serve` start measured no slower, as it
-compiles other kernels too) and hands them to the background builder, which keeps a package only if it equals the
-compiled kernel bit for bit: the tokens do not depend on whether the packages were built yet. (Not eager
-meanwhile: a norm's sum of squares in inductor's order differs in the last bit, and one bf16 element in ~400,000
-then rounds the other way.) With stored kernels turned off (QWEN3_SCRATCH_AOT=0, the test suite) a CPU engine runs
-the eager glue.
+load, one kernel for every token count, one token included (any_size_kernel; 10-35 s alone, once per machine,
+shapes and torch; a first `qwen3-serve` start measured no slower, as it compiles other kernels too), and hands
+them to the background builder, which keeps a package only if it equals the compiled kernel bit for bit: the
+tokens do not depend on whether the packages were built yet. (Not eager meanwhile: a norm's sum of squares in
+inductor's order differs in the last bit, and one bf16 element in ~400,000 then rounds the other way.) With
+stored kernels turned off (QWEN3_SCRATCH_AOT=0, the test suite) a CPU engine runs the eager glue.
 """
 
 import functools
@@ -140,7 +140,7 @@ class GPUDecoderLayer(DecoderLayer):
     """DecoderLayer whose one-token steps (any step, with any_length) run the glue as four compiled kernels
     around its products and attention (the class swapped in at load; its modules and weights stay as they are)."""
 
-    any_length = False  # True (the engine's layers): every step runs the glue, by any_length_kernel
+    any_length = False  # True (the engine's layers): every step runs the glue, for any token count
 
     def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
         plain = x.shape[1] != 1 and not self.any_length

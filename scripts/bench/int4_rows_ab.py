@@ -13,15 +13,15 @@ inductor (matvec.kernel), as the int8 words loop is:
   rounding of the weights (torch's kernel rounds them).
 
 Several rows (`--rows`) run the loop once per row, against torch's kernel, which unpacks each weight once for
-all the rows. So a third candidate reads torch's own packing, which torch's kernel keeps serving for several
-rows: its bytes as float32 words, eight words being two columns of sixteen rows; the eight (byte, nibble)
-extractions of a word each give eight rows; the scales laid out by lane (twice each: two columns share a row),
-and by row for the zero points' term.
+all the rows. So a second candidate (the third column) reads torch's own packing, which torch's kernel keeps
+serving for several rows: its bytes as float32 words, eight words being two columns of sixteen rows; the eight
+(byte, nibble) extractions of a word each give eight rows; the scales laid out by lane (twice each: two columns
+share a row), and by row for the zero points' term.
 
     python scripts/bench/int4_rows_ab.py                 # the 0.6B shapes, 32 matrices of each cycled (out of cache)
     python scripts/bench/int4_rows_ab.py --rows 8,21,64  # several rows: ms for one 6144 x 1024 matrix
 
-Prints G weights/s per shape for both, two rounds each, and the relative error against the fp64 product of the
+Prints G weights/s per shape for the three, two rounds each, and the relative error against the fp64 product of the
 dequantized matrix. Not used by the package: the figures are in docs/performance.md.
 """
 
@@ -108,14 +108,15 @@ def matrices(N: int, K: int, copies: int):
     """`copies` random (N, K) matrices quantized: their codes and scales_and_zeros, the words layout's
     (words, scales, offsets), and torch's packing with bf16 scales_and_zeros."""
     codes, scales_and_zeros = zip(*(int4.quantize_groups(torch.randn(N, K) * 0.02, GROUP) for _ in range(copies)))
-    ours = [(pack_rows(q), by_rows(sz[..., 0].t().contiguous()), by_rows((sz[..., 1] - 8 * sz[..., 0]).t().contiguous()))
-            for q, sz in zip(codes, scales_and_zeros)]  # fmt: skip
+    offsets = [(sz[..., 1] - 8 * sz[..., 0]).t().contiguous() for sz in scales_and_zeros]  # zero - 8 * scale, (N, G)
+    ours = [(pack_rows(q), by_rows(sz[..., 0].t().contiguous()), by_rows(o))
+            for q, sz, o in zip(codes, scales_and_zeros, offsets)]  # fmt: skip
     theirs = [(int4.pack(q), sz.bfloat16()) for q, sz in zip(codes, scales_and_zeros)]
     return codes, scales_and_zeros, ours, theirs
 
 
 def measure(N: int, K: int, copies: int, rounds: int) -> str:
-    """One shape, one row: both products on `copies` matrices, cycled; G weights/s a round, and their errors."""
+    """One shape, one row: the three products on `copies` matrices, cycled; G weights/s a round, and their errors."""
     codes, scales_and_zeros, ours, theirs = matrices(N, K, copies)
     x = torch.randn(1, K)
     compiled = kernel(int4_rows, x, *ours[0])
