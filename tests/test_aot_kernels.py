@@ -20,7 +20,7 @@ from server_process import start_server, stop_server
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.engine import paged_attention
 from qwen3_scratch.generation.loops import generate_tokens
-from qwen3_scratch.kernels import aot, aot_build, gpu_decode, matvec, one_row_attention
+from qwen3_scratch.kernels import aot, aot_build, gpu_decode, int4, matvec, one_row_attention
 from qwen3_scratch.sampling.logits import LogitsFilter
 
 GREEDY = LogitsFilter(temperature=0.0)
@@ -82,15 +82,20 @@ def test_packaged_kernels_give_the_tokens_of_inductor_kernels_and_of_the_eager_l
     assert "building" not in done.stderr, f"a start with every kernel stored built some again: {done.stderr}"
 
 
-def test_int4_halves_package_bit_for_bit_and_give_the_same_tokens(tmp_path, kernel_cache):
-    """int4 layers' two kernels call torch's int4 kernel from inside the graph, on packed bytes: their packages
-    (checked on random bytes as codes) match inductor's kernels, and a later start decodes the same tokens."""
+@pytest.mark.parametrize("words", [False, True], ids=["torch-packing", "words"])
+def test_int4_halves_package_bit_for_bit_and_give_the_same_tokens(tmp_path, kernel_cache, monkeypatch, words):
+    """int4 layers' two kernels, over either layout of the nibbles (int4.py; words: an AVX2 CPU's, chosen here on
+    any CPU): torch's int4 kernel called from inside the graph on packed bytes, or the words loop traced into it.
+    Their packages (checked on random codes) match inductor's kernels, and a later start decodes the same tokens."""
+    monkeypatch.setattr(int4, "cpu_reads_words", lambda: words)
+    suffix = "_int4_words" if words else "_int4"
     path = make_tiny_checkpoint(tmp_path / "tiny-qwen3")
     model = load_model(path, dtype="bfloat16", optimize="decode", quantize="int4")
     built_now = torch.cat(list(generate_tokens(model, PROMPT, 8, GREEDY, ignore_eos=True))).tolist()
-    halves = [key for key in aot.PENDING.values() if key["function"].endswith("_int4")]
+    halves = [key for key in aot.PENDING.values() if key["function"].endswith(suffix)]
     assert len(halves) == 2, f"an int4 layer did not run as its two kernels: {list(aot.PENDING)}"
-    assert any(dtype == "uint8" for key in halves for _, dtype in key["args"]), "the packed codes are not an argument"
+    codes = ("float32", 3) if words else ("uint8", 2)  # (dtype, dimensions) of the codes as the halves read them
+    assert any((dtype, len(shape)) == codes for key in halves for shape, dtype in key["args"]), "no codes argument"
     assert all(aot_build.build(key) for key in halves), "an int4 half's package differs from inductor's kernel"
     matvec._KERNELS.clear()
     model = load_model(path, dtype="bfloat16", optimize="decode", quantize="int4")

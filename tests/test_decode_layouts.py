@@ -115,7 +115,8 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     """cpu_decode's two kernels a layer (the products and the ops between them) keep eager's roundings and
     the products' sums: bf16 bit for bit (with the fp32 attention for short contexts off: it is the one part
     that rounds differently); fp32 within the float rounding of fused multiply-adds. With float weights, int8
-    ones and int4 ones (torch's int4 kernel called inside the halves: the same kernel as eager's, so equal)."""
+    ones and int4 ones (torch's int4 kernel called inside the halves, or the words loop on an AVX2 CPU: the same
+    kernel as eager's, so equal)."""
     monkeypatch.setattr(cpu_decode, "SHORT_CONTEXT", 0)
     monkeypatch.setattr(cpu_decode, "FLASH_ATTENTION", False)
     monkeypatch.setattr(cpu_decode, "ONE_ROW_KERNEL", False)
@@ -124,7 +125,9 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     assert all(type(layer) is CPUDecoderLayer for layer in model.model.layers)
     tokens = ids(1, 40, seed=5)[0].tolist()
     fast = decode_logits(model, tokens, prompt_len=20).float()
-    halves = set(cpu_decode.HALVES[quantize or "float"])
+    scheme = model.model.layers[0].whole_halves()  # int4: "int4-words" on a CPU with AVX2 only
+    assert scheme in ((quantize or "float"), f"{quantize}-words")
+    halves = set(cpu_decode.HALVES[scheme])
     assert all(halves <= layer._kernels.keys() for layer in model.model.layers), "a layer is not its two kernels"
     for layer in model.model.layers:
         layer.__class__ = DecoderLayer

@@ -21,6 +21,7 @@ from qwen3_scratch.cli.serve import build_parser as serve_parser
 from qwen3_scratch.cli.serve import load as serve_load
 from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, generate_tokens
+from qwen3_scratch.kernels import int4, widen
 from qwen3_scratch.kernels.int4 import Int4Linear, dequantize, quantize_groups
 from qwen3_scratch.sampling.logits import LogitsFilter
 from qwen3_scratch.sampling.params import SamplingParams
@@ -62,10 +63,16 @@ def prompt_and_steps(model, tokens, prompt_len):
     return torch.cat(logits)
 
 
-@pytest.mark.parametrize("optimize", [None, "decode", "batch"])
-def test_int4_fp32_logits_equal_the_dequantized_weights_reference(tied, optimize):
+@pytest.mark.parametrize(("optimize", "words"), [(None, False), ("decode", False), ("batch", False),
+                                                ("decode", True), ("batch", True)])  # fmt: skip
+def test_int4_fp32_logits_equal_the_dequantized_weights_reference(tied, optimize, words, monkeypatch):
+    """Either layout of the nibbles (words: an AVX2 CPU's, chosen here on any CPU), in a prompt (words: blocks of
+    rows through its loop) and in decode steps (with optimize="decode", inside each layer's halves). The words in
+    the fused layouts only: unfused, every matrix of a layer is a shape of its own to compile, for no other path."""
+    monkeypatch.setattr(int4, "cpu_reads_words", lambda: words)
     model = load_model(tied, dtype=torch.float32, quantize="int4", optimize=optimize)
-    assert isinstance(model.lm_head, Int4Linear) and model.lm_head.weight.dtype == torch.uint8
+    assert isinstance(model.lm_head, Int4Linear) and model.lm_head.words is words
+    assert model.lm_head.weight.dtype == (torch.int32 if words else torch.uint8)
     assert model.model.embed_tokens.weight.dtype == torch.float32, "the embedding lookup stays unquantized"
     reference = dequantized_reference(tied, torch.float32, 32)
     x = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -92,6 +99,48 @@ def test_int4_linear_takes_a_strided_view_as_its_input():
     layer = Int4Linear(nn.Linear(128, 64, bias=False), torch.bfloat16, group_size=32)
     x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
     assert torch.equal(layer(x[:, -1:]), layer(x[:, -1:].contiguous())), "a strided input changed the result"
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_words_give_the_dequantized_matrix_product_at_any_number_of_rows(group_size):
+    """The words layout (on any CPU here): its nibbles unpack to the codes torch's layout holds; one row, a few (in
+    blocks of 8, 4, 2 and 1 rows) and MIN_INT4_WORDS_ROWS bf16 rows (widened: a block of the matrix at a time,
+    dequantized transposed) each equal the fp64 product of the dequantized matrix to fp32 rounding, bf16 rows
+    within bf16 rounding of it."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 2 * int4.ROWS * 9, bias=False)  # 144 rows: not a multiple of torch's 64
+    words = Int4Linear(linear, torch.float32, group_size, words=True)
+    assert words.words and words.weight.shape == (18, 32, int4.ROWS) and words.weight.dtype == torch.int32
+    codes, scales_and_zeros = quantize_groups(linear.weight.detach(), group_size)
+    assert torch.equal(int4.unpack_words(words.weight), codes.to(torch.uint8))
+    matrix = dequantize(codes, scales_and_zeros)
+    assert torch.equal(int4.dequantize_words(words.weight, words.scales_and_zeros), matrix)
+    transposed = int4.dequantize_words_transposed(words.codes, words.scales_and_zeros, int4.SHIFTS)
+    assert torch.equal(transposed, matrix.t()), "the widened product's blocks"
+    for rows in (1, 3, 13):
+        x = torch.randn(rows, 256)
+        exact = x.double() @ matrix.double().t()
+        worst = ((words(x).double() - exact).abs().max() / exact.abs().max()).item()
+        assert worst < 1e-5, f"{rows} rows: {worst:.1e} of the largest output"
+    half = Int4Linear(linear, torch.bfloat16, group_size, words=True)
+    exact_half = dequantize(codes, scales_and_zeros.bfloat16()).double().t()
+    for rows in (3, widen.MIN_INT4_WORDS_ROWS):
+        x = torch.randn(rows, 256).bfloat16()
+        exact = x.double() @ exact_half
+        assert ((half(x).double() - exact).abs().max() / exact.abs().max()).item() < 2**-7, f"{rows} rows"
+
+
+def test_an_int4_words_row_gives_the_same_bits_alone_or_among_other_rows():
+    """Each row's sums are the same expression in every block size (int4.words_product), so a row's output does not
+    depend on how many rows came with it: an engine's request decodes alike alone or in a batch. (The shape of the
+    test above: its kernels are shared.)"""
+    torch.manual_seed(1)
+    layer = Int4Linear(nn.Linear(256, 2 * int4.ROWS * 9, bias=False), torch.float32, 32, words=True)
+    x = torch.randn(15, 256)  # blocks of 8, 4, 2 and 1
+    together = layer(x)
+    for i in range(15):
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), f"row {i}"
+    assert torch.equal(layer(x[3:9]), together[3:9]), "rows 3-8 as blocks of 4 and 2"
 
 
 def test_int4_groups_round_trip_within_half_a_step():

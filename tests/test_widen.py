@@ -112,12 +112,13 @@ def test_int4_unpack_reads_torchs_cpu_packing_exactly():
     assert torch.equal(int4.unpack(packed[PACK_ROWS:]), codes[PACK_ROWS:].to(torch.uint8)), "a block of rows alone"
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int4-words"])
 def test_quantized_prompts_run_widened_within_rounding_of_the_dequantized_product(monkeypatch, no_bf16_instructions,
                                                                                    scheme):  # fmt: skip
-    """A prompt's int8 or int4 product (Int8Linear, Int4Linear) runs widened from its threshold of rows on (below
-    it, torch's kernel), and equals the exact product of the bf16 rows and the dequantized matrix within bf16
-    rounding (torch's int4 kernel, which may round each dequantized weight to bf16 first, is not held to that)."""
+    """A prompt's int8 or int4 product (Int8Linear, Int4Linear in either layout) runs widened from its threshold
+    of rows on (below it, torch's kernel or the words loop), and equals the exact product of the bf16 rows and the
+    dequantized matrix within bf16 rounding (torch's int4 kernel, which may round each dequantized weight to bf16
+    first, is not held to that)."""
     generator = torch.Generator().manual_seed(5)
     n, k = BLOCK_ROWS + 2 * PACK_ROWS, 256  # a whole block and a part, in 64-row packing blocks
     linear = torch.nn.Linear(k, n, bias=False)
@@ -125,10 +126,16 @@ def test_quantized_prompts_run_widened_within_rounding_of_the_dequantized_produc
     if scheme == "int8":
         module, threshold = Int8Linear(linear, torch.bfloat16), MIN_INT8_ROWS
         weight = dequantized_weight(module).double()
-    else:
-        module, threshold = Int4Linear(linear, torch.bfloat16, 32), MIN_INT4_ROWS
+    elif scheme == "int4":
+        module, threshold = Int4Linear(linear, torch.bfloat16, 32, words=False), MIN_INT4_ROWS
         weight = int4.dequantize(int4.unpack(module.weight), module.scales_and_zeros).double()
+    else:  # widened by its own loop over blocks dequantized transposed, from its own threshold
+        module, threshold = Int4Linear(linear, torch.bfloat16, 32, words=True), widen.MIN_INT4_WORDS_ROWS
+        weight = int4.dequantize_words(module.weight, module.scales_and_zeros).double()
     calls = count_widened(monkeypatch, "products")
+    if scheme == "int4-words":
+        real = module.widened_words
+        monkeypatch.setattr(module, "widened_words", lambda rows: calls.append(rows) or real(rows))
     x = torch.randn(threshold, k, generator=generator).bfloat16()
     y = module(x)
     assert y.dtype == torch.bfloat16 and y.shape == (threshold, n) and len(calls) == 1
@@ -139,15 +146,21 @@ def test_quantized_prompts_run_widened_within_rounding_of_the_dequantized_produc
 
 
 def test_a_quantized_prompt_runs_widened_with_the_logits_of_torchs_kernels(tmp_path, monkeypatch, no_bf16_instructions):
+    """int8, int4 in torch's packing and int4 in the words layout (int4.py, chosen here on any CPU): a prompt's
+    products run widened from their threshold, with the logits of the same model's products below it."""
     path = build_checkpoint(tmp_path, dtype=torch.bfloat16)
     prompt = torch.arange(3, 3 + 24).view(1, -1)
-    for scheme in ("int8", "int4"):
-        model = load_model(path, dtype=torch.bfloat16, optimize="decode", quantize=scheme)
+    words = Int4Linear.widened_words
+    for scheme in ("int8", "int4", "int4-words"):
+        monkeypatch.setattr(int4, "cpu_reads_words", lambda: scheme == "int4-words")
+        model = load_model(path, dtype=torch.bfloat16, optimize="decode", quantize=scheme.removesuffix("-words"))
+        threshold = {"int8": "MIN_INT8_ROWS", "int4": "MIN_INT4_ROWS", "int4-words": "MIN_INT4_WORDS_ROWS"}[scheme]
         with torch.no_grad():
-            monkeypatch.setattr(widen, f"MIN_{scheme.upper()}_ROWS", 10**9)
+            monkeypatch.setattr(widen, threshold, 10**9)
             reference = model(prompt).float()
-            monkeypatch.setattr(widen, f"MIN_{scheme.upper()}_ROWS", 8)
+            monkeypatch.setattr(widen, threshold, 8)
             calls = count_widened(monkeypatch, "products")
+            monkeypatch.setattr(Int4Linear, "widened_words", lambda self, rows: calls.append(rows) or words(self, rows))
             ours = model(prompt).float()
         assert len(calls) >= len(model.model.layers) * 4, f"{scheme}: the prompt's products run widened"
         assert (ours.argmax(-1) == reference.argmax(-1)).all(), scheme

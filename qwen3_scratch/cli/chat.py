@@ -12,6 +12,7 @@ trained on it) still answers without reasoning: enable_thinking=false writes the
 """
 
 import argparse
+import atexit
 import json
 import signal
 import sys
@@ -281,7 +282,8 @@ def run(args) -> None:
                              tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))  # fmt: skip
     from qwen3_scratch.kernels.aot_build import start_background_build
 
-    start_background_build()  # the kernels inductor built, packaged for later starts (once)
+    start_background_build()  # the kernels inductor built while loading, packaged for later starts
+    atexit.register(start_background_build)  # and those the first prompt of a size built (int4.py's blocks)
     session = ChatSession(pipe, params, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()
     if interactive:

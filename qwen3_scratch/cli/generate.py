@@ -9,6 +9,7 @@ is instant. Every flag is checked before the model loads (or downloads).
 """
 
 import argparse
+import atexit
 import sys
 
 from qwen3_scratch.errors import InputError
@@ -114,7 +115,8 @@ def run(args) -> None:
         print(f"{PROG}: {notice}", file=sys.stderr)
     from qwen3_scratch.kernels.aot_build import start_background_build
 
-    start_background_build()  # the kernels inductor built, packaged for later starts (once)
+    start_background_build()  # the kernels inductor built while loading, packaged for later starts
+    atexit.register(start_background_build)  # and those the first prompt of a size built (int4.py's blocks)
     template = dict(system=args.system, chat=args.chat, thinking=args.thinking is not False)
     if args.hide_thinking or tools is not None:  # the parsed reply: reasoning apart, tool calls
         print_reply(pipe, prompts[0], params, args, tools)

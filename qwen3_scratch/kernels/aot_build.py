@@ -1,6 +1,7 @@
 """Packaging the kernels a process compiled, ahead of time, for every later start (aot.py says why).
 
     start_background_build()    # the CLI, after the load: a niced process runs main(SPECS.json) once the CLI exits
+                                # (and at its exit, for what it compiled since: int4's blocks of rows)
 
 Each kernel is exported (torch.export) and compiled by AOTInductor into one .pt2 package, then checked
 against the inductor kernel of the same function: equal bits on random inputs, or the entry is stored
@@ -44,8 +45,8 @@ sys.exit(main(sys.argv[2:]))
 
 
 def start_background_build() -> bool:
-    """Hand the kernels this process compiled with inductor to a niced background builder, once.
-    True if one was started (a line on stderr says so)."""
+    """Hand the kernels this process compiled with inductor since the last call to a niced background builder.
+    True if one was started (a line on stderr says so); with nothing new, nothing is started."""
     if not aot.PENDING or not aot.enabled():
         return False
     root = aot.cache_root() / aot.machine_key()

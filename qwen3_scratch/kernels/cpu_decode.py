@@ -50,7 +50,7 @@ from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
 from . import one_row_attention
-from .int4 import Int4Linear
+from .int4 import Int4Linear, matvec_int4_words
 from .matvec import MatvecLinear, kernel, matvec, matvec_int8, matvec_int8_words
 from .quantize import Int8Linear
 
@@ -87,12 +87,14 @@ def widen(h, wide: bool):
 
 def product(h, weight, scales=None):
     """One product inside a whole-half kernel: h (1, K) -> (N,). matvec's loop (h fp32), int8's (h fp32, the
-    row scales given; the codes int8, or as float32 words, Int8Linear.codes), or torch's int4 kernel (h in the
+    row scales given; the codes int8, or as float32 words, Int8Linear.codes), torch's int4 kernel (h in the
     activations' dtype, the packed nibbles and their scales_and_zeros (K/g, N, 2) given: the group size g
-    follows from the shapes)."""
+    follows from the shapes), or int4's words loop (h fp32, the words (N/8, K/8, 8) as Int4Linear.codes)."""
     if weight.dtype == torch.uint8:  # int4.Int4Linear's packed codes: an extern call inside the kernel
         group_size = h.shape[-1] // scales.shape[0]
         return torch._weight_int4pack_mm_for_cpu(h, weight, group_size, scales).view(-1)
+    if weight.dim() == 3:  # int4.Int4Linear's words
+        return matvec_int4_words(h, weight, scales)
     if scales is None:
         return matvec(h, weight)
     return (matvec_int8 if weight.dtype == torch.int8 else matvec_int8_words)(h, weight, scales)
@@ -169,6 +171,21 @@ def attention_output_and_mlp_int4(x, y, o_weight, o_scales_and_zeros, norm_weigh
                        wide=False)  # fmt: skip
 
 
+def attention_inputs_int4_words(x, norm_weight, qkv_weight, qkv_scales_and_zeros, q_norm_weight, k_norm_weight, cos,
+                                sin, *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):  # fmt: skip
+    """attention_inputs over one fused int4 q/k/v product in the words layout (int4.matvec_int4_words)."""
+    return first_half(x, norm_weight, [(qkv_weight, qkv_scales_and_zeros)], q_norm_weight, k_norm_weight, cos, sin,
+                      n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, eps=eps)  # fmt: skip
+
+
+def attention_output_and_mlp_int4_words(x, y, o_weight, o_scales_and_zeros, norm_weight, gate_up_weight,
+                                        gate_up_scales_and_zeros, down_weight, down_scales_and_zeros, *,
+                                        eps: float):  # fmt: skip
+    """attention_output_and_mlp over int4 products in the words layout, gate/up fused."""
+    return second_half(x, y, (o_weight, o_scales_and_zeros), norm_weight, [(gate_up_weight, gate_up_scales_and_zeros)],
+                       (down_weight, down_scales_and_zeros), eps=eps)  # fmt: skip
+
+
 # The two halves compiled as single graphs: inductor must store each product's input row once (the norms'
 # and SwiGLU's outputs, read by 1-3 products) rather than inline its pointwise tail into every weight row's
 # loop, which it does by default for a buffer read this few times and which made such a graph ~2x slower
@@ -181,12 +198,15 @@ STORE_EVERY_BUFFER = {"realize_reads_threshold": 0, "realize_opcount_threshold":
                       "realize_cpu_opcount_threshold": 0, "realize_cpu_acc_reads_threshold": 0}  # fmt: skip
 attention_inputs.inductor_config = attention_output_and_mlp.inductor_config = STORE_PRODUCT_INPUTS
 attention_inputs_int8.inductor_config = attention_output_and_mlp_int8.inductor_config = STORE_EVERY_BUFFER
+# int4's words loop reads its row one number at a time (a broadcast per column): stored, as int8's
+attention_inputs_int4_words.inductor_config = attention_output_and_mlp_int4_words.inductor_config = STORE_PRODUCT_INPUTS
 # int4's products are torch's own kernel, called from inside the graph: their inputs are stored whatever the
 # config (an extern call reads a buffer), so the defaults; its halves buy the calls between the products
 # (4 kernels, ~20 ops a layer), ~65 us a layer on the AMD EPYC (docs/performance.md)
 HALVES = {"float": (attention_inputs, attention_output_and_mlp),
           "int8": (attention_inputs_int8, attention_output_and_mlp_int8),
-          "int4": (attention_inputs_int4, attention_output_and_mlp_int4)}  # fmt: skip
+          "int4": (attention_inputs_int4, attention_output_and_mlp_int4),
+          "int4-words": (attention_inputs_int4_words, attention_output_and_mlp_int4_words)}  # fmt: skip
 
 
 SHORT_CONTEXT = 256  # attended slots up to which half-precision attention runs in fp32 (0: never)
@@ -307,8 +327,8 @@ class CPUDecoderLayer(DecoderLayer):
         return self.__dict__["_halves"]
 
     def whole_halves(self) -> str | None:
-        """"float", "int8" or "int4" when the layer runs as two whole-half kernels, else None: a dense layer whose
-        products are its own (not through a tensor-parallel wrapper), without bias, either the "decode"
+        """"float", "int8", "int4" or "int4-words" when the layer runs as two whole-half kernels, else None: a dense
+        layer whose products are its own (not through a tensor-parallel wrapper), without bias, either the "decode"
         layout's MatvecLinears over the checkpoint's own matrices, or int8 ones on their compiled CPU loop, or
         int4 ones (q/k/v and gate/up fused, as quantize_model lays them out). Looked up once per layer."""
         if "_whole_halves" not in self.__dict__:
@@ -323,7 +343,8 @@ class CPUDecoderLayer(DecoderLayer):
                 if fused == (True, True) and all(int8) and all(m.bias is None for m in products):
                     scheme = "int8"
                 if fused == (True, True) and all(isinstance(m, Int4Linear) and m.bias is None for m in products):
-                    scheme = "int4"
+                    words = {m.words for m in products}
+                    scheme = None if len(words) > 1 else "int4-words" if words == {True} else "int4"
             self.__dict__["_whole_halves"] = scheme
         return self.__dict__["_whole_halves"]
 
@@ -337,9 +358,11 @@ class CPUDecoderLayer(DecoderLayer):
     @staticmethod
     def weights(*products) -> list[torch.Tensor]:
         """The tensors a whole-half kernel reads for these products: each one's weight, and its scales if int8,
-        its scales and zeros if int4 (an int8 product's codes as its one-row loop reads them, Int8Linear.codes)."""
-        return [t for m in products for t in (m.codes if isinstance(m, Int8Linear) else m.weight,
-                                              *(getattr(m, name) for name in SCALES if hasattr(m, name)))]  # fmt: skip
+        its scales and zeros if int4 (an int8 product's codes, and int4's words, as the one-row loops read them:
+        Int8Linear.codes, Int4Linear.codes)."""
+        return [t for m in products
+                for t in (m.codes if isinstance(m, Int8Linear) or getattr(m, "words", False) else m.weight,
+                          *(getattr(m, name) for name in SCALES if hasattr(m, name)))]  # fmt: skip
 
     def kernel(self, fn, *args, **constants):
         """fn's compiled kernel, looked up once per layer and function (every decode step has the same

@@ -25,6 +25,17 @@ an inductor-compiled loop that unpacks two nibbles, widens and multiply-adds (ma
 On a CPU without bf16 instructions, a prompt of MIN_INT4_ROWS rows or more runs in fp32 instead, over the same
 packed nibbles unpacked a block at a time (widen.py): 1.2-1.3x faster at 300 rows on an AMD EPYC Zen 3.
 
+On a CPU whose widest vectors are AVX2's, torch's int4 kernel is bound by its compute (11-14 G weights/s on two
+Zen 3 cores, where the memory streams ~50 G nibbles/s), and the codes are laid out for a loop of our own instead
+(`words`, words_product): eight nibbles to a 32-bit word (nibble b of word j: column 8j + b, so a word lies inside
+one group), the words of eight rows side by side (a vector of fp32 holds eight rows, and the row's activation is
+one broadcast number), read as float32 (the only load at::vec does at full speed there, as for int8's words).
+One row: 14-20 G weights/s on the 0.6B shapes against torch's 11-14. Several rows go through the same loop in
+blocks of 8, 4, 2 and 1 (ROW_BLOCKS), each word unpacked once for the block: about torch's kernel's speed. From
+widen.MIN_INT4_WORDS_ROWS bf16 rows on, a product in fp32 over the words dequantized a block at a time,
+transposed (dequantize_words_transposed). Exact in fp32 (no weight is rounded to bf16), and a row's bits do not
+depend on the rows beside it. docs/performance.md has the figures; scripts/bench/int4_rows_ab.py the one-row loop.
+
 Exactness: the kernel dequantizes each weight to the activations' dtype and sums in fp32, so with fp32
 activations its logits equal the model whose matrices are `dequantize(...)` to 1e-5 relative
 (tests/test_int4.py); with bf16 activations they differ from that by bf16 rounding.
@@ -38,7 +49,7 @@ from torch import nn
 from qwen3_scratch.errors import CheckpointError
 
 from . import widen
-from .matvec import kernel, unavailable_reason
+from .matvec import cpu_reads_words, kernel, one_row, unavailable_reason
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
@@ -47,6 +58,7 @@ DEFAULT_GROUP_SIZE = 32
 # is), else 2 (a multiple of 32). The CPU packing ignores it.
 INNER_K_TILES = (8, 2)
 PACK_ROWS = 64  # torch's CPU packing lays rows out in blocks of 64 (see unpack)
+ROWS = 8  # rows side by side in the words layout: one AVX2 vector of fp32 (pack_words)
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +67,10 @@ def quantize_groups(weight: torch.Tensor, group_size: int, rows_per_chunk: int =
     return torch.cat([q for q, _ in chunks]), torch.cat([sz for _, sz in chunks], dim=1)
 
 
-def quantize_and_pack(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> packed codes for torch's kernel and scales_and_zeros (K/g, N, 2) fp32.
+def quantize_and_pack(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096,
+                      words: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(N, K) float -> packed codes for torch's kernel and scales_and_zeros (K/g, N, 2) fp32; with `words`, the
+    codes as pack_words lays them out and scales_and_zeros as words_scales does.
 
     In chunks of rows (a multiple of torch's 64-row packing blocks, so packing chunk by chunk equals packing
     the whole), each one compiled loop on a CPU (matvec.kernel; eager ops took ~30 s for the 0.6B shapes),
@@ -65,11 +79,12 @@ def quantize_and_pack(weight: torch.Tensor, group_size: int, rows_per_chunk: int
     packed, scales_and_zeros = [], []
     for start in range(0, len(weight), rows_per_chunk):
         w = weight[start : start + rows_per_chunk]  # (n, K)
-        fn = kernel(quantize_chunk, w, group_size=group_size) if w.device.type == "cpu" and compiler_works() else None
-        q, sz = fn(w.contiguous()) if fn else quantize_chunk(w, group_size=group_size)
-        packed.append(pack(q))
+        quantize = quantize_words_chunk if words else quantize_chunk  # words: packed in the same compiled loop
+        fn = kernel(quantize, w, group_size=group_size) if w.device.type == "cpu" and compiler_works() else None
+        codes, sz = fn(w.contiguous()) if fn else quantize(w, group_size=group_size)
+        packed.append(codes if words else pack(codes))
         scales_and_zeros.append(sz)
-    return torch.cat(packed), torch.cat(scales_and_zeros, dim=1)
+    return torch.cat(packed), torch.cat(scales_and_zeros, dim=0 if words else 1)
 
 
 def quantize_chunk(w: torch.Tensor, *, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +95,13 @@ def quantize_chunk(w: torch.Tensor, *, group_size: int) -> tuple[torch.Tensor, t
     scale = ((hi - lo) / 15).clamp(min=1e-12)  # a constant group keeps a tiny scale, not a division by 0
     q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)  # (n, K/g, g)
     return q.view(n, K).to(torch.int32), torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1)  # (K/g, n, 2)
+
+
+def quantize_words_chunk(w: torch.Tensor, *, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_chunk laid out for the words loop: w (n, K) -> words (n/8, K/8, 8) int32 (pack_words) and
+    scales_and_zeros (n/8, K/g, 2, 8) fp32 (words_scales)."""
+    codes, scales_and_zeros = quantize_chunk(w, group_size=group_size)
+    return pack_words(codes), words_scales(scales_and_zeros)
 
 
 def compiler_works() -> bool:
@@ -105,24 +127,39 @@ def check_group_size(group_size: int, in_features: int, name: str) -> None:
 
 
 class Int4Linear(nn.Module):
-    """y = x @ dequantize(codes, scales_and_zeros).T, with the codes packed two to a byte for torch's kernel."""
+    """y = x @ dequantize(codes, scales_and_zeros).T, with the codes packed two to a byte: for torch's kernel, or
+    as words (the module docstring) on a CPU with AVX2 only (`words`: None decides by the CPU)."""
 
-    scheme = "int4"  # what the stats line calls these weights (their tensor is packed bytes: uint8)
+    scheme = "int4"  # what the stats line calls these weights (their tensor is packed bytes: uint8, or words)
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype, group_size: int):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, group_size: int, words: bool | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
         self.split_sizes = getattr(linear, "split_sizes", None)
-        packed, scales_and_zeros = quantize_and_pack(linear.weight.detach(), group_size)
-        self.weight = nn.Parameter(packed, requires_grad=False)  # opaque layout, K/2 bytes a row
-        self.scales_and_zeros = nn.Parameter(scales_and_zeros.to(dtype), requires_grad=False)  # (K/g, N, 2)
+        cpu = linear.weight.device.type == "cpu"
+        words = cpu_reads_words() if words is None else words
+        self.words = words and cpu and self.out_features % ROWS == 0 and compiler_works()
+        packed, scales_and_zeros = quantize_and_pack(linear.weight.detach(), group_size, words=self.words)
+        # torch's packing: (N, K/2) uint8, opaque; words: (N/8, K/8, 8) int32
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        # (K/g, N, 2) for torch's kernel; words: (N/8, K/g, 2, 8)
+        self.scales_and_zeros = nn.Parameter(scales_and_zeros.to(dtype), requires_grad=False)
         self.bias = linear.bias
+        if self.words:  # the one-row kernel now: a broken toolchain shows at load (blocks of rows: on first use)
+            self.block_kernel(1)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """What the one-row loop reads (words): the words as float32 bits."""
+        return self.weight.view(torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (B*T, K); the kernels read rows densely, and a view such as forward's last_only slice x[:, -1:] is not
         rows = x.reshape(-1, self.in_features).contiguous()
-        if x.is_cuda:
+        if self.words:
+            y = self.words_product(rows)
+        elif x.is_cuda:
             y = torch._weight_int4pack_mm(rows, self.weight, self.group_size, self.scales_and_zeros)
         elif not self.out_features % PACK_ROWS and widen.widens(rows, self.in_features, widen.MIN_INT4_ROWS):
             y = widen.products(rows, self.out_features, self.widened_block).to(rows.dtype)  # fp32, rounded once
@@ -131,11 +168,134 @@ class Int4Linear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)  # (..., N)
         return y if self.bias is None else y + self.bias
 
+    def block_kernel(self, rows: int):
+        """words_product compiled for blocks of `rows` rows of this matrix's shape (matvec.kernel keeps it)."""
+        return kernel(words_product, torch.empty(rows, self.in_features), self.codes, self.scales_and_zeros)
+
+    def words_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (R, K) times the matrix in the words layout -> (R, N) in the rows' dtype: blocks of ROW_BLOCKS
+        rows through words_product's compiled loop (about torch's kernel's speed from 2 rows, faster at 1), or from
+        MIN_INT4_WORDS_ROWS half-precision rows in fp32 over the words dequantized a block at a time."""
+        if torch.compiler.is_compiling() and one_row(rows, self.in_features):
+            return matvec_int4_words(rows.float(), self.codes, self.scales_and_zeros).view(1, -1)  # traced
+        if len(rows) >= widen.MIN_INT4_WORDS_ROWS and rows.dtype in widen.HALF:
+            return self.widened_words(rows.float()).to(rows.dtype)
+        wide, start, out = rows.float(), 0, []
+        for size in ROW_BLOCKS:
+            while len(rows) - start >= size:
+                out.append(self.block_kernel(size)(wide[start : start + size], self.codes, self.scales_and_zeros))
+                start += size
+        return (out[0] if len(out) == 1 else torch.cat(out)).to(rows.dtype)
+
+    def widened_words(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (R, K) fp32 times the matrix in the words layout, in fp32 -> (R, N): widen.products' way, a block
+        of widen.BLOCK_ROWS rows of the matrix at a time dequantized, but transposed (K, rows of the block), as
+        the words lie: each vector of eight rows is one load, shifted (1.4 G weights/s against 0.5 for the (N, K)
+        block on the AMD EPYC Zen 3; docs/performance.md), and MKL multiplies by either layout as fast."""
+        y = torch.empty(len(rows), self.out_features)
+        step = widen.BLOCK_ROWS // ROWS  # row blocks of the words
+        for start in range(0, len(self.weight), step):
+            words, scales_and_zeros = self.codes[start : start + step], self.scales_and_zeros[start : start + step]
+            dequantized = kernel(dequantize_words_transposed, words, scales_and_zeros, SHIFTS)
+            block = dequantized(words, scales_and_zeros, SHIFTS)
+            torch.mm(rows, block, out=y[:, start * ROWS : start * ROWS + block.shape[1]])
+        return y
+
     def widened_block(self, block: torch.Tensor, start: int, end: int) -> None:
         """Rows start:end of the matrix, dequantized in fp32 into block (widen.products' fill): a prompt on a CPU
         without bf16 instructions. torch's kernel rounds each dequantized weight to the rows' dtype; these stay
         fp32, so the product is nearer the exact one."""
         block.copy_(dequantize(unpack(self.weight[start:end]), self.scales_and_zeros[:, start:end]))
+
+
+def words_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x (R, K) fp32 times the int4 matrix in the words layout -> (R, N) in the scales' dtype: words (N/8, K/8, 8)
+    float32 bits (pack_words), scales_and_zeros (N/8, K/g, 2, 8) (words_scales). R is fixed when compiled.
+
+    For each group of g columns and each row, sum q * x in fp32 over the group, then times the group's scale,
+    plus (zero - 8 * scale) times the group's sum of x: the product of the dequantized matrix. Each nibble
+    position b has its own accumulator (eight independent sums of g/8 words; one sum of all eight nibbles was
+    15-20% slower, each word waiting on the last one's adds). The rows are a Python loop, so the compiled
+    kernel unpacks each word once for all R of them (inductor keeps one copy of an expression the rows share),
+    and each row's sums are the same expression whatever R is: a row's bits do not depend on its neighbours."""
+    R, K = x.shape
+    M = words.shape[0]
+    G, g = scales_and_zeros.shape[1], K // scales_and_zeros.shape[1]
+    bits = words.view(torch.int32).view(M, G, g // 8, ROWS)  # (row block, group, word of the group, row)
+    columns = x.view(R, G, g // 8, 8)  # columns[r, group, word, b]: row r's number for nibble b's column
+    scale, zero = scales_and_zeros[:, :, 0].float(), scales_and_zeros[:, :, 1].float()  # (M, G, 8) each
+    offsets = zero - 8 * scale
+    x_sums = x.view(R, G, g).sum(-1)  # (R, G)
+    out = []
+    for r in range(R):
+        sums = None
+        for b in range(8):
+            nibbles = ((bits >> (4 * b)) & 15).float()
+            sum_b = (nibbles * columns[r, :, :, b].view(G, g // 8, 1)).sum(2)  # (M, G, 8)
+            sums = sum_b if sums is None else sums + sum_b
+        out.append((sums * scale + offsets * x_sums[r].view(1, G, 1)).sum(1).view(-1))
+    return torch.stack(out).to(scales_and_zeros.dtype)
+
+
+# Nothing stored between the unpacking and the sums: by default inductor stores a buffer once its expression
+# grows, and with several rows it stored the unpacked nibbles (2-3x slower; docs/performance.md)
+NEVER_STORE = {name: 1 << 20 for name in ("realize_reads_threshold", "realize_opcount_threshold",
+                                          "realize_cpu_opcount_threshold", "realize_acc_reads_threshold",
+                                          "realize_cpu_acc_reads_threshold")}  # fmt: skip
+words_product.inductor_config = NEVER_STORE
+ROW_BLOCKS = (8, 4, 2, 1)  # several rows run as blocks of these many, one compiled kernel each
+
+
+def matvec_int4_words(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """One row, x (1, K) fp32 -> (N,): words_product, as a whole-half kernel traces it (cpu_decode.py)."""
+    return words_product(x, words, scales_and_zeros).view(-1)
+
+
+def pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """codes (N, K) in [0, 15], N a multiple of ROWS -> words (N/8, K/8, 8) int32: [m, j, r] holds row 8m + r's
+    columns 8j .. 8j + 7, column 8j + b in nibble b."""
+    N, K = codes.shape
+    c = codes.view(N // ROWS, ROWS, K // 8, 8).permute(0, 2, 1, 3).long()  # (m, j, r, b)
+    # the nibbles' bits do not overlap, so their sum is their OR; nibble 7 sets bit 31: the int64 sum wraps to
+    # the int32 word with those bits
+    return (c << torch.arange(0, 32, 4, device=c.device)).sum(-1).to(torch.int32)
+
+
+def unpack_words(words: torch.Tensor) -> torch.Tensor:
+    """pack_words undone: (n/8, K/8, 8) int32 -> codes (n, K) uint8."""
+    m, J, _ = words.shape
+    nibbles = torch.stack([(words >> (4 * b)) & 15 for b in range(8)], dim=-1)  # (m, j, r, b)
+    return nibbles.permute(0, 2, 1, 3).reshape(m * ROWS, J * 8).to(torch.uint8)
+
+
+def words_scales(scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """scales_and_zeros (K/g, N, 2) as the words layout reads them: (N/8, K/g, 2, 8)."""
+    G, N, _ = scales_and_zeros.shape
+    return scales_and_zeros.view(G, N // ROWS, ROWS, 2).permute(1, 0, 3, 2).contiguous()
+
+
+def dequantize_words(words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The rows a block of words stands for, (n, K) fp32, from its scales_and_zeros (n/8, K/g, 2, 8)."""
+    m, G = scales_and_zeros.shape[:2]
+    return dequantize(unpack_words(words), scales_and_zeros.permute(1, 0, 3, 2).reshape(G, m * ROWS, 2))
+
+
+SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble b of a word: bits 4b .. 4b + 3
+
+
+def dequantize_words_transposed(words: torch.Tensor, scales_and_zeros: torch.Tensor,
+                                shifts: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The rows a block of words stands for, transposed: (K, n) fp32, [8j + b, 8m + r] = row 8m + r's weight of
+    column 8j + b, from words (n/8, K/8, 8) float32 bits and scales_and_zeros (n/8, K/g, 2, 8); shifts is SHIFTS.
+    Laid out as the words are, eight rows side by side, so each vector of the output is one word vector shifted
+    (the shift a tensor rather than a Python number: one compiled loop over every nibble position)."""
+    m, J, _ = words.shape
+    G = scales_and_zeros.shape[1]
+    bits = words.view(torch.int32).permute(1, 0, 2).reshape(J, 1, m, ROWS)  # (J, 1, m, 8)
+    q = ((bits >> shifts.view(1, 8, 1, 1)) & 15).float().view(G, J // G, 8, m, ROWS)  # (group, word, b, m, r)
+    scale_and_zero = scales_and_zeros.float().permute(1, 2, 0, 3)  # (G, 2, m, 8)
+    scale, zero = (t.reshape(G, 1, 1, m, ROWS) for t in scale_and_zero.unbind(1))
+    return ((q - 8) * scale + zero).reshape(J * 8, m * ROWS)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:

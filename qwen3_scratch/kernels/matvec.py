@@ -27,6 +27,7 @@ Shapes: N out_features, K in_features.
 """
 
 import functools
+import sys
 import warnings
 
 import torch
@@ -89,6 +90,12 @@ def matvec_int8_words(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
     c0, c1, c2, c3 = (((codes << shift) >> 24).float() for shift in (24, 16, 8, 0))  # bytes 0-3, sign-extended
     sums = (c0 * quarters[0] + c1 * quarters[1]) + (c2 * quarters[2] + c3 * quarters[3])  # (N, K/4)
     return (sums.sum(-1) * scales.float()).to(scales.dtype)
+
+
+def cpu_reads_words() -> bool:
+    """True on a CPU whose widest vectors are AVX2's (little-endian, as every x86 is): there inductor's loops load
+    integer codes at full speed only as float32 words (matvec_int8_words; int4.words_product)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and sys.byteorder == "little"
 
 
 _KERNELS: dict[tuple, object] = {}  # (function, device, shapes and dtypes of its arguments) -> compiled callable

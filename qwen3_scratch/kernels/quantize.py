@@ -13,8 +13,6 @@ the embedding stays as loaded, since a lookup reads one row). The norms stay in 
 Shapes: N out_features, K in_features.
 """
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +23,7 @@ from qwen3_scratch.model.qwen3 import Qwen3
 from . import widen
 from .fuse import replace_linears
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
-from .matvec import kernel, matvec_int8, matvec_int8_words, one_row, unavailable_reason
+from .matvec import cpu_reads_words, kernel, matvec_int8, matvec_int8_words, one_row, unavailable_reason
 
 SCHEMES = ("int8", "int4")  # int4: group-wise scales and zero points, int4.py
 
@@ -64,7 +62,7 @@ def cpu_reads_int8_as_words() -> bool:
     reads its codes four to a word (matvec.matvec_int8_words): 10.7 GB/s of a 3072 x 1024 matrix against 1.2
     for matvec_int8's loop, on the AMD EPYC Zen 3 (docs/performance.md). With AVX-512 inductor's int8 loads are
     masked loads, and matvec_int8 reads at the bandwidth (1.02x llama.cpp's Q8_0 on the Zen 4)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2" and sys.byteorder == "little"
+    return cpu_reads_words()
 
 
 # How an int8 product runs (Int8Linear.route). On a GPU the default is "fused-cast"; gpu_check measures both.

@@ -58,6 +58,7 @@ from .fuse import replace_linears
 MIN_ROWS = 8  # fewer rows run torch's own kernel (F.linear), as fast or faster there
 MIN_INT8_ROWS = 48  # the same for torch's int8 kernel (its crossover: 32-64 rows)
 MIN_INT4_ROWS = 160  # and its int4 one, which unpacks the nibbles first (crossover: 128-160 rows)
+MIN_INT4_WORDS_ROWS = 64  # int4 in the words layout (int4.py, AVX2 CPUs), dequantized faster (crossover: 48-64)
 BLOCK_ROWS = 512  # rows of the matrix widened at a time: 2 MB of fp32 at K = 1024 (128 and 2048 were slower)
 HALF = (torch.bfloat16, torch.float16)
 

@@ -72,10 +72,11 @@ def timed(command: list[str], env: dict | None = None) -> float:
 def warm_commands(with_tokenizer: Path, dtype: str) -> dict[str, list[str]]:
     """The three commands' second starts, each ending at its first token (serve: its first ready answer)."""
     with_tokenizer = with_tokenizer.resolve()  # each command runs in its own checkout (python puts it first on sys.path)
-    model = ["--model", str(with_tokenizer), "--dtype", dtype, "--temperature", "0", "--max-new-tokens", "1"]
+    weights = ["--dtype", "bfloat16", "--quantize", dtype] if dtype in ("int8", "int4") else ["--dtype", dtype]
+    model = ["--model", str(with_tokenizer), *weights, "--temperature", "0", "--max-new-tokens", "1"]
     return {"qwen3-generate": ["-m", "qwen3_scratch.generate", "--prompt", "Hi", *model],
             "qwen3-chat": ["-m", "qwen3_scratch.chat", *model],
-            "qwen3-serve (to ready)": ["-m", "qwen3_scratch.serve", "--model", str(with_tokenizer), "--dtype", dtype,
+            "qwen3-serve (to ready)": ["-m", "qwen3_scratch.serve", "--model", str(with_tokenizer), *weights,
                                        "--port", "8391"]}  # fmt: skip
 
 
