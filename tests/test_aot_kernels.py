@@ -87,7 +87,7 @@ def test_int4_halves_package_bit_for_bit_and_give_the_same_tokens(tmp_path, kern
     """int4 layers' two kernels, over either layout of the nibbles (int4.py; words: an AVX2 CPU's, chosen here on
     any CPU): torch's int4 kernel called from inside the graph on packed bytes, or the words loop traced into it.
     Their packages (checked on random codes) match inductor's kernels, and a later start decodes the same tokens."""
-    monkeypatch.setattr(int4, "cpu_reads_words", lambda: words)
+    monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "words" if words else "torch")
     suffix = "_int4_words" if words else "_int4"
     path = make_tiny_checkpoint(tmp_path / "tiny-qwen3")
     model = load_model(path, dtype="bfloat16", optimize="decode", quantize="int4")

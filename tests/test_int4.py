@@ -69,7 +69,7 @@ def test_int4_fp32_logits_equal_the_dequantized_weights_reference(tied, optimize
     """Either layout of the nibbles (words: an AVX2 CPU's, chosen here on any CPU), in a prompt (words: blocks of
     rows through its loop) and in decode steps (with optimize="decode", inside each layer's halves). The words in
     the fused layouts only: unfused, every matrix of a layer is a shape of its own to compile, for no other path."""
-    monkeypatch.setattr(int4, "cpu_reads_words", lambda: words)
+    monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "words" if words else "torch")
     model = load_model(tied, dtype=torch.float32, quantize="int4", optimize=optimize)
     assert isinstance(model.lm_head, Int4Linear) and model.lm_head.words is words
     assert model.lm_head.weight.dtype == (torch.int32 if words else torch.uint8)
@@ -130,6 +130,23 @@ def test_int4_words_give_the_dequantized_matrix_product_at_any_number_of_rows(gr
         assert ((half(x).double() - exact).abs().max() / exact.abs().max()).item() < 2**-7, f"{rows} rows"
 
 
+def test_the_int4_layout_follows_the_cpu_unless_the_environment_names_one(monkeypatch):
+    """QWEN3_SCRATCH_INT4_LAYOUT=words or =torch decides; unset, the CPU does (AVX2 only: words); anything else is
+    ignored with a warning that names the variable."""
+    monkeypatch.setattr(int4, "cpu_reads_words", lambda: True)
+    monkeypatch.delenv("QWEN3_SCRATCH_INT4_LAYOUT")
+    assert int4.words_by_default()
+    monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "torch")
+    assert not int4.words_by_default()
+    assert not Int4Linear(nn.Linear(64, 16, bias=False), torch.float32, 32).words
+    monkeypatch.setattr(int4, "cpu_reads_words", lambda: False)
+    monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", " Words ")
+    assert int4.words_by_default()
+    monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "nibbles")
+    with pytest.warns(UserWarning, match="QWEN3_SCRATCH_INT4_LAYOUT='nibbles' is not one of words, torch"):
+        assert not int4.words_by_default()
+
+
 def test_an_int4_words_row_gives_the_same_bits_alone_or_among_other_rows():
     """Each row's sums are the same expression in every block size (int4.words_product), so a row's output does not
     depend on how many rows came with it: an engine's request decodes alike alone or in a batch. (The shape of the
@@ -141,6 +158,7 @@ def test_an_int4_words_row_gives_the_same_bits_alone_or_among_other_rows():
     for i in range(15):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), f"row {i}"
     assert torch.equal(layer(x[3:9]), together[3:9]), "rows 3-8 as blocks of 4 and 2"
+    assert layer(x[:0]).shape == (0, layer.out_features), "no rows"
 
 
 def test_int4_groups_round_trip_within_half_a_step():

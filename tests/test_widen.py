@@ -152,7 +152,7 @@ def test_a_quantized_prompt_runs_widened_with_the_logits_of_torchs_kernels(tmp_p
     prompt = torch.arange(3, 3 + 24).view(1, -1)
     words = Int4Linear.widened_words
     for scheme in ("int8", "int4", "int4-words"):
-        monkeypatch.setattr(int4, "cpu_reads_words", lambda: scheme == "int4-words")
+        monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "words" if scheme == "int4-words" else "torch")
         model = load_model(path, dtype=torch.bfloat16, optimize="decode", quantize=scheme.removesuffix("-words"))
         threshold = {"int8": "MIN_INT8_ROWS", "int4": "MIN_INT4_ROWS", "int4-words": "MIN_INT4_WORDS_ROWS"}[scheme]
         with torch.no_grad():

@@ -198,7 +198,8 @@ STORE_EVERY_BUFFER = {"realize_reads_threshold": 0, "realize_opcount_threshold":
                       "realize_cpu_opcount_threshold": 0, "realize_cpu_acc_reads_threshold": 0}  # fmt: skip
 attention_inputs.inductor_config = attention_output_and_mlp.inductor_config = STORE_PRODUCT_INPUTS
 attention_inputs_int8.inductor_config = attention_output_and_mlp_int8.inductor_config = STORE_EVERY_BUFFER
-# int4's words loop reads its row one number at a time (a broadcast per column): stored, as int8's
+# int4's words loop reads its row one number at a time (a broadcast per column): the row stored once, as for
+# the float halves (with int8's STORE_EVERY_BUFFER inductor stored every unpacked nibble: 125 ms a step)
 attention_inputs_int4_words.inductor_config = attention_output_and_mlp_int4_words.inductor_config = STORE_PRODUCT_INPUTS
 # int4's products are torch's own kernel, called from inside the graph: their inputs are stored whatever the
 # config (an extern call reads a buffer), so the defaults; its halves buy the calls between the products

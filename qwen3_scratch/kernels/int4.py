@@ -43,6 +43,9 @@ activations its logits equal the model whose matrices are `dequantize(...)` to 1
 Shapes: N out_features, K in_features, g group_size.
 """
 
+import os
+import warnings
+
 import torch
 from torch import nn
 
@@ -59,6 +62,20 @@ DEFAULT_GROUP_SIZE = 32
 INNER_K_TILES = (8, 2)
 PACK_ROWS = 64  # torch's CPU packing lays rows out in blocks of 64 (see unpack)
 ROWS = 8  # rows side by side in the words layout: one AVX2 vector of fp32 (pack_words)
+
+
+LAYOUTS = ("words", "torch")  # QWEN3_SCRATCH_INT4_LAYOUT's values
+
+
+def words_by_default() -> bool:
+    """Whether a CPU Int4Linear keeps the words layout: QWEN3_SCRATCH_INT4_LAYOUT=words or =torch (torch's packing
+    and kernel) when set, else on a CPU whose widest vectors are AVX2's (matvec.cpu_reads_words)."""
+    choice = os.environ.get("QWEN3_SCRATCH_INT4_LAYOUT", "").strip().lower()
+    if choice and choice not in LAYOUTS:
+        warnings.warn(f"QWEN3_SCRATCH_INT4_LAYOUT={choice!r} is not one of {', '.join(LAYOUTS)}; ignored",
+                      stacklevel=2)  # fmt: skip
+        choice = ""
+    return choice == "words" if choice else cpu_reads_words()
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +155,7 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         self.split_sizes = getattr(linear, "split_sizes", None)
         cpu = linear.weight.device.type == "cpu"
-        words = cpu_reads_words() if words is None else words
+        words = words_by_default() if words is None else words
         self.words = words and cpu and self.out_features % ROWS == 0 and compiler_works()
         packed, scales_and_zeros = quantize_and_pack(linear.weight.detach(), group_size, words=self.words)
         # torch's packing: (N, K/2) uint8, opaque; words: (N/8, K/8, 8) int32
@@ -180,12 +197,12 @@ class Int4Linear(nn.Module):
             return matvec_int4_words(rows.float(), self.codes, self.scales_and_zeros).view(1, -1)  # traced
         if len(rows) >= widen.MIN_INT4_WORDS_ROWS and rows.dtype in widen.HALF:
             return self.widened_words(rows.float()).to(rows.dtype)
-        wide, start, out = rows.float(), 0, []
+        wide, start, out = rows.float(), 0, [rows.new_empty(0, self.out_features)]  # (no rows: no product)
         for size in ROW_BLOCKS:
             while len(rows) - start >= size:
                 out.append(self.block_kernel(size)(wide[start : start + size], self.codes, self.scales_and_zeros))
                 start += size
-        return (out[0] if len(out) == 1 else torch.cat(out)).to(rows.dtype)
+        return (out[1] if len(out) == 2 else torch.cat(out)).to(rows.dtype)
 
     def widened_words(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (R, K) fp32 times the matrix in the words layout, in fp32 -> (R, N): widen.products' way, a block
@@ -256,8 +273,8 @@ def pack_words(codes: torch.Tensor) -> torch.Tensor:
     columns 8j .. 8j + 7, column 8j + b in nibble b."""
     N, K = codes.shape
     c = codes.view(N // ROWS, ROWS, K // 8, 8).permute(0, 2, 1, 3).long()  # (m, j, r, b)
-    # the nibbles' bits do not overlap, so their sum is their OR; nibble 7 sets bit 31: the int64 sum wraps to
-    # the int32 word with those bits
+    # the nibbles' bits do not overlap, so their sum is their OR; nibble 7 reaches bit 31, so the sum is taken in
+    # int64 and its low 32 bits kept
     return (c << torch.arange(0, 32, 4, device=c.device)).sum(-1).to(torch.int32)
 
 
