@@ -52,7 +52,7 @@ from torch import nn
 from qwen3_scratch.errors import CheckpointError
 
 from . import widen
-from .matvec import cpu_reads_words, kernel, one_row, unavailable_reason
+from .matvec import cpu_reads_words, kernel, unavailable_reason
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
@@ -62,8 +62,6 @@ DEFAULT_GROUP_SIZE = 32
 INNER_K_TILES = (8, 2)
 PACK_ROWS = 64  # torch's CPU packing lays rows out in blocks of 64 (see unpack)
 ROWS = 8  # rows side by side in the words layout: one AVX2 vector of fp32 (pack_words)
-
-
 LAYOUTS = ("words", "torch")  # QWEN3_SCRATCH_INT4_LAYOUT's values
 
 
@@ -164,7 +162,7 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros = nn.Parameter(scales_and_zeros.to(dtype), requires_grad=False)
         self.bias = linear.bias
         if self.words:  # the one-row kernel now: a broken toolchain shows at load (blocks of rows: on first use)
-            self.block_kernel(1)
+            self.block_kernel(torch.empty(1, self.in_features))
 
     @property
     def codes(self) -> torch.Tensor:
@@ -185,22 +183,23 @@ class Int4Linear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)  # (..., N)
         return y if self.bias is None else y + self.bias
 
-    def block_kernel(self, rows: int):
-        """words_product compiled for blocks of `rows` rows of this matrix's shape (matvec.kernel keeps it)."""
-        return kernel(words_product, torch.empty(rows, self.in_features), self.codes, self.scales_and_zeros)
+    def block_kernel(self, block: torch.Tensor):
+        """words_product compiled for blocks of rows of this one's shape, (R, K) fp32 (matvec.kernel keeps it)."""
+        return kernel(words_product, block, self.codes, self.scales_and_zeros)
 
     def words_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (R, K) times the matrix in the words layout -> (R, N) in the rows' dtype: blocks of ROW_BLOCKS
         rows through words_product's compiled loop (about torch's kernel's speed from 2 rows, faster at 1), or from
         MIN_INT4_WORDS_ROWS half-precision rows in fp32 over the words dequantized a block at a time."""
-        if torch.compiler.is_compiling() and one_row(rows, self.in_features):
-            return matvec_int4_words(rows.float(), self.codes, self.scales_and_zeros).view(1, -1)  # traced
+        if torch.compiler.is_compiling():  # traced into the caller's graph (a whole-half kernel, torch.compile)
+            return words_product(rows.float(), self.codes, self.scales_and_zeros).to(rows.dtype)
         if len(rows) >= widen.MIN_INT4_WORDS_ROWS and rows.dtype in widen.HALF:
             return self.widened_words(rows.float()).to(rows.dtype)
         wide, start, out = rows.float(), 0, [rows.new_empty(0, self.out_features)]  # (no rows: no product)
         for size in ROW_BLOCKS:
             while len(rows) - start >= size:
-                out.append(self.block_kernel(size)(wide[start : start + size], self.codes, self.scales_and_zeros))
+                block = wide[start : start + size]
+                out.append(self.block_kernel(block)(block, self.codes, self.scales_and_zeros))
                 start += size
         return (out[1] if len(out) == 2 else torch.cat(out)).to(rows.dtype)
 
@@ -279,7 +278,7 @@ def pack_words(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_words(words: torch.Tensor) -> torch.Tensor:
-    """pack_words undone: (n/8, K/8, 8) int32 -> codes (n, K) uint8."""
+    """pack_words undone: (n/8, K/8, 8) int32 -> codes (n, K) uint8 (tests: the layout's reference)."""
     m, J, _ = words.shape
     nibbles = torch.stack([(words >> (4 * b)) & 15 for b in range(8)], dim=-1)  # (m, j, r, b)
     return nibbles.permute(0, 2, 1, 3).reshape(m * ROWS, J * 8).to(torch.uint8)
@@ -292,7 +291,8 @@ def words_scales(scales_and_zeros: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_words(words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """The rows a block of words stands for, (n, K) fp32, from its scales_and_zeros (n/8, K/g, 2, 8)."""
+    """The rows a block of words stands for, (n, K) fp32, from its scales_and_zeros (n/8, K/g, 2, 8): eager, the
+    reference the tests hold dequantize_words_transposed and the products to."""
     m, G = scales_and_zeros.shape[:2]
     return dequantize(unpack_words(words), scales_and_zeros.permute(1, 0, 3, 2).reshape(G, m * ROWS, 2))
 
