@@ -65,15 +65,21 @@ def real_vocab_hf_tokenizer(real_vocab_folder):
 # The test session's trained model (tests/trained_fixture.py): trained in a process of its own from the start of
 # the session, on the cycles the other tests leave idle; the modules that read it run last.
 _TRAINING = pytest.StashKey()
+_NAMED_FOR_NOTEBOOK = pytest.StashKey()
 
 
 def _needs_training(item) -> bool:
     return "trained_tiny" in getattr(item, "fixturenames", ())
 
 
+def _is_notebook(item) -> bool:
+    return item.path.suffix == ".ipynb"
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The modules with a test that reads the trained model go last, each kept whole and in its order."""
-    late = {item.path for item in items if _needs_training(item)}
+    """The modules with a test that reads the trained model go last, each kept whole and in its order, and the
+    walkthrough notebook with them: its last section reads a trained model too."""
+    late = {item.path for item in items if _needs_training(item) or _is_notebook(item)}
     items.sort(key=lambda item: item.path in late)  # stable
 
 
@@ -83,6 +89,21 @@ def pytest_collection_finish(session):
 
         folder = Path(tempfile.mkdtemp(prefix="qwen3-trained-"))
         session.config.stash[_TRAINING] = BackgroundTraining(folder / "tiny-qwen3-trained")
+
+
+def pytest_runtest_setup(item):
+    """The notebook reads the session's trained model when the session trains one (QWEN3_SCRATCH_TRAINED), instead
+    of training its own small one in its 7th section (~80 s of the two cores, ~135 s beside the other tests)."""
+    training = item.config.stash.get(_TRAINING, None)
+    if _is_notebook(item) and training is not None and "QWEN3_SCRATCH_TRAINED" not in os.environ:
+        os.environ["QWEN3_SCRATCH_TRAINED"] = str(training.result())
+        item.config.stash[_NAMED_FOR_NOTEBOOK] = True
+
+
+def pytest_runtest_teardown(item):
+    if item.config.stash.get(_NAMED_FOR_NOTEBOOK, False):
+        del os.environ["QWEN3_SCRATCH_TRAINED"]
+        item.config.stash[_NAMED_FOR_NOTEBOOK] = False
 
 
 def pytest_sessionfinish(session):

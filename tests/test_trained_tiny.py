@@ -113,6 +113,21 @@ def test_training_is_deterministic_for_a_seed(trained_tiny, tokenizer, tmp_path)
     assert not torch.equal(first[key], other[key]), "another seed should give other weights"
 
 
+def test_the_command_trains_the_target_the_notebook_asks_for_and_refuses_a_budget_of_nothing(tmp_path, capsys):
+    """`train_tiny.py --steps N --no-draft`, as the walkthrough notebook runs it when it has no trained model (the
+    suite hands the notebook the fixture instead): the target's shapes, N steps, a checkpoint we load and no draft."""
+    out = tmp_path / "small"
+    train_tiny.main(["--steps", "2", "--no-draft", "--out", str(out)])
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["steps"] == 2 and log["recipe"]["shapes"] == train_tiny.TARGET, log["recipe"]
+    assert load_model(out, "cpu", "float32").config.num_hidden_layers == train_tiny.TARGET["num_hidden_layers"]
+    assert not (tmp_path / "small-draft").exists(), "--no-draft trains the target only"
+    with pytest.raises(SystemExit) as refused:
+        train_tiny.main(["--minutes", "0", "--out", str(tmp_path / "none")])
+    assert refused.value.code == 2 and "--minutes must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
 TINY_SHAPES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=16, max_position_embeddings=1024)  # fmt: skip
 
