@@ -130,6 +130,21 @@ def test_int4_words_give_the_dequantized_matrix_product_at_any_number_of_rows(gr
         assert ((half(x).double() - exact).abs().max() / exact.abs().max()).item() < 2**-7, f"{rows} rows"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_compiled_quantization_packs_the_eager_references_codes_bit_for_bit(dtype):
+    """quantize_and_pack's compiled loops (quantize_codes, then pack_words_chunk for the words) against the eager
+    reference (quantize_groups, pack_words, words_scales; torch's packing of the same codes): equal bits, in chunks
+    with a remainder, with a constant group, a zero group and weights of several magnitudes."""
+    torch.manual_seed(0)
+    w = (torch.randn(200, 96) * torch.logspace(-4, 1, 200)[:, None]).to(dtype)  # 200 rows: chunks of 64, then 8
+    w[3, :32], w[9, 32:64] = 0.5, 0.0
+    codes, scales_and_zeros = quantize_groups(w, 32)
+    words, words_sz = int4.quantize_and_pack(w, 32, rows_per_chunk=64, words=True)
+    assert torch.equal(words, int4.pack_words(codes)) and torch.equal(words_sz, int4.words_scales(scales_and_zeros))
+    packed, sz = int4.quantize_and_pack(w[:192], 32, rows_per_chunk=64)
+    assert torch.equal(packed, int4.pack(codes[:192])) and torch.equal(sz, scales_and_zeros[:, :192])
+
+
 def test_the_int4_layout_follows_the_cpu_unless_the_environment_names_one(monkeypatch):
     """QWEN3_SCRATCH_INT4_LAYOUT=words or =torch decides; unset, the CPU does (AVX2 only: words); anything else is
     ignored with a warning that names the variable."""
