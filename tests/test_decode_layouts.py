@@ -21,6 +21,7 @@ from qwen3_scratch.kernels.quantize import (
     dequantized_weight,
     interleave_columns,
     quantize_rows,
+    quantize_rows_chunk,
     use_int8_route,
 )
 from qwen3_scratch.model.config import Qwen3Config
@@ -264,6 +265,21 @@ def test_int8_rows_round_trip_within_half_a_step():
     assert q.dtype == torch.int8 and q.abs().max() == 127, "the largest |w| of each row must map to 127"
     error = (dequantized_weight_of(q, scales) - w).abs()
     assert (error <= scales[:, None] / 2 + 1e-6).all(), "rounding error above half a quantization step"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_compiled_int8_quantization_gives_the_eager_codes_in_either_layout(dtype):
+    """quantize_rows' compiled loop (a CPU's, in chunks with a remainder) against the eager chunk's codes, and its
+    words against interleave_columns of them: equal bits, with a zero row, rows at +-127 and codes of every byte."""
+    torch.manual_seed(0)
+    w = (torch.randn(200, 96) * torch.logspace(-3, 1, 200)[:, None]).to(dtype)
+    w[4], w[7, 5], w[8, 9] = 0, -50.0, 50.0
+    want, want_scales = quantize_rows_chunk(w.float(), words=False)  # eager
+    for words, codes in ((False, want), (True, interleave_columns(want))):
+        got, scales = quantize_rows(w, rows_per_chunk=64, words=words)
+        assert torch.equal(got, codes) and torch.equal(scales, want_scales), f"words={words}"
+    assert want[7].min() == -127 and want[8].max() == 127 and want[4].abs().max() == 0
+    assert len(want.unique()) == 255, "every code from -127 to 127"
 
 
 def dequantized_weight_of(q, scales):
