@@ -268,18 +268,22 @@ def test_int8_rows_round_trip_within_half_a_step():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_compiled_int8_quantization_gives_the_eager_codes_in_either_layout(dtype):
-    """quantize_rows' compiled loop (a CPU's, in chunks with a remainder) against the eager chunk's codes, and its
-    words against interleave_columns of them: equal bits, with a zero row, rows at +-127 and codes of every byte."""
+def test_int8_quantizing_compiled_or_eager_gives_the_same_codes_in_either_layout(dtype):
+    """quantize_rows (eager until its kernel is stored, as in this suite) and the compiled loop a later start loads
+    (quantize_rows_chunk), in either layout: the same codes and scales, bit for bit (the words: interleave_columns
+    of the row-order codes), with a zero row, rows at +-127 and every code from -127 to 127."""
     torch.manual_seed(0)
     w = (torch.randn(200, 96) * torch.logspace(-3, 1, 200)[:, None]).to(dtype)
     w[4], w[7, 5], w[8, 9] = 0, -50.0, 50.0
-    want, want_scales = quantize_rows_chunk(w.float(), words=False)  # eager
-    for words, codes in ((False, want), (True, interleave_columns(want))):
-        got, scales = quantize_rows(w, rows_per_chunk=64, words=words)
-        assert torch.equal(got, codes) and torch.equal(scales, want_scales), f"words={words}"
+    want, want_scales = quantize_rows(w, rows_per_chunk=64)
     assert want[7].min() == -127 and want[8].max() == 127 and want[4].abs().max() == 0
     assert len(want.unique()) == 255, "every code from -127 to 127"
+    got, scales = quantize_rows(w, rows_per_chunk=64, words=True)
+    assert torch.equal(got, interleave_columns(want)) and torch.equal(scales, want_scales)
+    chunk = w.float()
+    for words, codes in ((False, want), (True, interleave_columns(want))):
+        got, scales = matvec_module.kernel(quantize_rows_chunk, chunk, words=words)(chunk)
+        assert torch.equal(got.view(torch.int8), codes) and torch.equal(scales, want_scales), f"words={words}"
 
 
 def dequantized_weight_of(q, scales):

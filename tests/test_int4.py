@@ -21,7 +21,7 @@ from qwen3_scratch.cli.serve import build_parser as serve_parser
 from qwen3_scratch.cli.serve import load as serve_load
 from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, generate_tokens
-from qwen3_scratch.kernels import int4, widen
+from qwen3_scratch.kernels import int4, matvec, widen
 from qwen3_scratch.kernels.int4 import Int4Linear, dequantize, quantize_groups
 from qwen3_scratch.sampling.logits import LogitsFilter
 from qwen3_scratch.sampling.params import SamplingParams
@@ -131,10 +131,11 @@ def test_int4_words_give_the_dequantized_matrix_product_at_any_number_of_rows(gr
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_compiled_quantization_packs_the_eager_references_codes_bit_for_bit(dtype):
-    """quantize_and_pack's compiled loops (quantize_codes, then pack_words_chunk for the words) against the eager
-    reference (quantize_groups, pack_words, words_scales; torch's packing of the same codes): equal bits, in chunks
-    with a remainder, with a constant group, a zero group and weights of several magnitudes."""
+def test_the_quantizing_loops_compiled_or_eager_give_the_references_bits(dtype):
+    """quantize_and_pack (eager until its kernels are stored, as in this suite) and the compiled loops a later start
+    loads (quantize_codes, pack_words_chunk) against the eager reference (quantize_groups, pack_words, words_scales;
+    torch's packing of the same codes): equal bits, in chunks with a remainder, with a constant group, a zero group
+    and weights of several magnitudes."""
     torch.manual_seed(0)
     w = (torch.randn(200, 96) * torch.logspace(-4, 1, 200)[:, None]).to(dtype)  # 200 rows: chunks of 64, then 8
     w[3, :32], w[9, 32:64] = 0.5, 0.0
@@ -143,6 +144,12 @@ def test_the_compiled_quantization_packs_the_eager_references_codes_bit_for_bit(
     assert torch.equal(words, int4.pack_words(codes)) and torch.equal(words_sz, int4.words_scales(scales_and_zeros))
     packed, sz = int4.quantize_and_pack(w[:192], 32, rows_per_chunk=64)
     assert torch.equal(packed, int4.pack(codes[:192])) and torch.equal(sz, scales_and_zeros[:, :192])
+    chunk = w[:72].contiguous()
+    got_codes, got_sz = matvec.kernel(int4.quantize_codes, chunk, group_size=32)(chunk)
+    assert torch.equal(got_codes, codes[:72].float()) and torch.equal(got_sz, scales_and_zeros[:, :72])
+    got_words, got_words_sz = matvec.kernel(int4.pack_words_chunk, got_codes, got_sz)(got_codes, got_sz)
+    assert torch.equal(got_words, int4.pack_words(codes[:72]))
+    assert torch.equal(got_words_sz, int4.words_scales(scales_and_zeros[:, :72]))
 
 
 def test_the_int4_layout_follows_the_cpu_unless_the_environment_names_one(monkeypatch):

@@ -124,6 +124,18 @@ def kernel(fn, *args: torch.Tensor, **constants):
     return compiled
 
 
+def stored_kernel(fn, *args: torch.Tensor, **constants):
+    """fn's kernel for these argument shapes when an earlier process stored it (aot.py), else None: the caller runs
+    fn eagerly, and the kernel is handed to the background builder for later starts. For loops that run once a
+    start and give the compiled kernel's bits eagerly too (exact operations only: quantizing at load), where
+    building them (~2.5 s a kernel) would cost a first start more than running them eagerly."""
+    device = args[0].device
+    key = ("stored", fn.__qualname__, device, *((tuple(a.shape), a.dtype) for a in args), *sorted(constants.items()))
+    if key not in _KERNELS:
+        _KERNELS[key] = aot.load_or_remember(fn, args, constants) if device.type == "cpu" else None
+    return _KERNELS[key]
+
+
 def jit_kernel(fn, args, constants: dict):
     """fn compiled by inductor in this process (its FX graph cache spares the code generation of a kernel
     built before). Rounding as in eager mode: each explicit cast to bf16 rounds there

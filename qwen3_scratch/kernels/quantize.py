@@ -23,7 +23,7 @@ from qwen3_scratch.model.qwen3 import Qwen3
 from . import widen
 from .fuse import replace_linears
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
-from .matvec import cpu_reads_words, kernel, matvec_int8, matvec_int8_words, one_row, unavailable_reason
+from .matvec import cpu_reads_words, kernel, matvec_int8, matvec_int8_words, one_row, stored_kernel, unavailable_reason
 
 SCHEMES = ("int8", "int4")  # int4: group-wise scales and zero points, int4.py
 
@@ -33,31 +33,36 @@ def quantize_rows(weight: torch.Tensor, rows_per_chunk: int = 4096,
     """(N, K) float -> q (N, K) int8 and scales (N,) fp32, symmetric, one scale per row; with `words`, q's columns
     interleaved (interleave_columns).
 
-    In chunks of rows, so the fp32 temporaries of a 151936-row lm_head never exist all at once; on a CPU each
-    chunk through one compiled loop (matvec.kernel; eager ops took 1.8-3.4 s for the 0.6B shapes on an AMD EPYC
-    Zen 3, the loop 0.6).
+    In chunks of rows, so the fp32 temporaries of a 151936-row lm_head never exist all at once. On a CPU each chunk
+    runs quantize_rows_chunk's stored kernel once an earlier start has stored it (0.6 s for the 0.6B shapes on an
+    AMD EPYC Zen 3, against 1.8-3.4 s eagerly); until then eagerly, the same bits, since building the kernels
+    cost a first start more (~11 s) than the eager ops.
     """
     N = len(weight)
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)  # (N, K)
     scales = torch.empty(N, dtype=torch.float32, device=weight.device)  # (N,)
-    compiled = weight.device.type == "cpu" and unavailable_reason() is None
     for start in range(0, N, rows_per_chunk):
         # in fp32 (exact for bf16): a loop over bf16 runs 16 lanes wide, and at::vec converts 16 fp32 lanes to
         # integers one lane at a time on AVX2 (3.6x slower)
         w = weight[start : start + rows_per_chunk].float().contiguous()  # (n, K)
-        if compiled:
-            codes, s = kernel(quantize_rows_chunk, w, words=words)(w)
+        stored = stored_kernel(quantize_rows_chunk, w, words=words)
+        if stored is not None:
+            codes, s = stored(w)
+            codes = codes.view(torch.int8)  # words: (n, K/4) int32 -> their bytes, (n, K)
         else:
-            codes, s = quantize_rows_chunk(w, words=words)
-        q[start : start + rows_per_chunk] = codes.view(torch.int8)  # words: (n, K/4) int32 -> their bytes, (n, K)
+            s = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # quantize_rows_chunk's ops
+            codes = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+            codes = interleave_columns(codes) if words else codes
+        q[start : start + rows_per_chunk] = codes
         scales[start : start + rows_per_chunk] = s
     return q, scales
 
 
 def quantize_rows_chunk(w: torch.Tensor, *, words: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (n, K) fp32 -> codes and scales (n,): codes (n, K) int8, or with `words` (n, K/4) int32 words whose bytes
-    are interleave_columns' order (little-endian: byte b of word j is column b*K/4 + j), each ORed from the four
-    quarters of the row read in order (interleave_columns' transposed copy in the loop ran 5-9x slower)."""
+    """w (n, K) fp32 -> codes and scales (n,), compiled: codes (n, K) int8, or with `words` (n, K/4) int32 words whose
+    bytes are interleave_columns' order (little-endian: byte b of word j is column b*K/4 + j), each ORed from the
+    four quarters of the row read in order (interleave_columns' transposed copy in the loop ran 5-9x slower; this
+    loop takes 0.84 ms for 4096 x 1024, the eager ops 9.4)."""
     s = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # an all-zero row stays zero
     q = torch.round(w / s[:, None]).clamp(-127, 127)  # (n, K)
     if not words:
