@@ -294,7 +294,8 @@ def matvec_int4_words(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: to
 
 def pack_words(codes: torch.Tensor) -> torch.Tensor:
     """codes (N, K) in [0, 15], N a multiple of ROWS -> words (N/8, K/8, 8) int32: [m, j, r] holds row 8m + r's
-    columns 8j .. 8j + 7, column 8j + b in nibble b."""
+    columns 8j .. 8j + 7, column 8j + b in nibble b (tests: the layout's reference; a load packs with
+    pack_words_chunk)."""
     N, K = codes.shape
     c = codes.view(N // ROWS, ROWS, K // 8, 8).permute(0, 2, 1, 3).long()  # (m, j, r, b)
     # the nibbles' bits do not overlap, so their sum is their OR; nibble 7 reaches bit 31, so the sum is taken in

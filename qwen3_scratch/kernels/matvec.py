@@ -131,8 +131,9 @@ def stored_kernel(fn, *args: torch.Tensor, **constants):
     building them (~2.5 s a kernel) would cost a first start more than running them eagerly."""
     device = args[0].device
     key = ("stored", fn.__qualname__, device, *((tuple(a.shape), a.dtype) for a in args), *sorted(constants.items()))
-    if key not in _KERNELS:
-        _KERNELS[key] = aot.load_or_remember(fn, args, constants) if device.type == "cpu" else None
+    if key not in _KERNELS:  # (no compiler here: no builder can store it either)
+        stored = device.type == "cpu" and unavailable_reason() is None
+        _KERNELS[key] = aot.load_or_remember(fn, args, constants) if stored else None
     return _KERNELS[key]
 
 

@@ -49,9 +49,8 @@ def quantize_rows(weight: torch.Tensor, rows_per_chunk: int = 4096,
         if stored is not None:
             codes, s = stored(w)
             codes = codes.view(torch.int8)  # words: (n, K/4) int32 -> their bytes, (n, K)
-        else:
-            s = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # quantize_rows_chunk's ops
-            codes = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        else:  # eagerly, the words interleaved afterwards (their ORs run 5x slower eagerly)
+            codes, s = quantize_rows_chunk(w, words=False)
             codes = interleave_columns(codes) if words else codes
         q[start : start + rows_per_chunk] = codes
         scales[start : start + rows_per_chunk] = s
