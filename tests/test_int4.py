@@ -183,6 +183,50 @@ def test_an_int4_words_row_gives_the_same_bits_alone_or_among_other_rows():
     assert layer(x[:0]).shape == (0, layer.out_features), "no rows"
 
 
+def shifted_words_product(x, words, scales_and_zeros):
+    """int4.words_product as first written: each nibble shifted down to its value, the scales widened with .float()."""
+    R, K = x.shape
+    M, G = scales_and_zeros.shape[:2]
+    g = K // G
+    bits = words.view(torch.int32).view(M, G, g // 8, int4.ROWS)
+    columns = x.view(R, G, g // 8, 8)
+    scale, zero = scales_and_zeros[..., 0].float(), scales_and_zeros[..., 1].float()
+    sums = [sum((((bits >> (4 * b)) & 15).float() * columns[r, :, :, b].view(G, g // 8, 1)).sum(2) for b in range(8))
+            for r in range(R)]  # fmt: skip
+    x_sums = x.view(R, G, g).sum(-1)
+    return torch.stack([(s * scale + (zero - 8 * scale) * x_sums[r].view(1, G, 1)).sum(1).view(-1)
+                        for r, s in enumerate(sums)]).to(scales_and_zeros.dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_words_loop_reads_nibbles_and_scales_in_place_with_the_bits_of_unpacking_them(dtype):
+    """words_product reads nibble b where it lies (q * 16**b, its sums times 16**-b) and, in bf16, a lane's scale and
+    zero as one 32-bit word whose halves it moves into place. Run eagerly (each op rounded as written), it gives the
+    bits of the loop that shifts each nibble down and widens each scale with .float(): a power of two rounds
+    nothing. Activations over forty orders of magnitude, every code, nibble 7's sign bit included."""
+    torch.manual_seed(2)
+    layer = Int4Linear(nn.Linear(256, 4 * int4.ROWS, bias=False), dtype, 32, words=True)
+    assert layer.scales_and_zeros.shape == (4, 8, int4.ROWS, 2)
+    assert {int(c) for c in int4.unpack_words(layer.weight).unique()} == set(range(16))
+    x = torch.randn(3, 256) * 10.0 ** torch.randint(-20, 20, (3, 256))
+    want = shifted_words_product(x, layer.codes, layer.scales_and_zeros)
+    assert torch.equal(int4.words_product(x, layer.codes, layer.scale_words), want)
+
+
+def test_bf16_scale_and_zero_pairs_widen_to_their_float_values_eagerly_and_compiled():
+    """words_scale_and_zero's bit moves give .float() of every bf16 number but NaN, in either half of the word (the
+    pairs viewed as float32 words, eagerly and compiled; the pairs themselves, eagerly)."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[~values.isnan()]
+    n = len(values) // int4.ROWS * int4.ROWS  # (the few left over from one half are in the other)
+    pairs = torch.stack([values[:n], values.flip(0)[:n]], dim=-1).view(-1, 1, int4.ROWS, 2)  # (M, 1, 8, 2)
+    want = (pairs[..., 0].float(), pairs[..., 1].float())
+    words = pairs.view(torch.float32)  # as Int4Linear.scale_words hands them over
+    compiled = matvec.kernel(int4.words_scale_and_zero, words)
+    for got in (int4.words_scale_and_zero(words), compiled(words), int4.words_scale_and_zero(pairs)):
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), "a bf16 scale or zero widened to another number"
+
+
 def test_int4_groups_round_trip_within_half_a_step():
     w = torch.randn(96, 128) * torch.linspace(0.01, 3, 128)  # groups of very different ranges
     codes, scales_and_zeros = quantize_groups(w, 32)

@@ -50,7 +50,7 @@ from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
 from . import one_row_attention
-from .int4 import Int4Linear, matvec_int4_words
+from .int4 import FUSED_MULTIPLY_ADD, Int4Linear, matvec_int4_words
 from .matvec import MatvecLinear, kernel, matvec, matvec_int8, matvec_int8_words
 from .quantize import Int8Linear
 
@@ -200,7 +200,9 @@ attention_inputs.inductor_config = attention_output_and_mlp.inductor_config = ST
 attention_inputs_int8.inductor_config = attention_output_and_mlp_int8.inductor_config = STORE_EVERY_BUFFER
 # int4's words loop reads its row one number at a time (a broadcast per column): the row stored once, as for
 # the float halves (with int8's STORE_EVERY_BUFFER inductor stored every unpacked nibble: 125 ms a step)
-attention_inputs_int4_words.inductor_config = attention_output_and_mlp_int4_words.inductor_config = STORE_PRODUCT_INPUTS
+# the words loop's multiply-adds fused, as in its own kernels (int4.FUSED_MULTIPLY_ADD)
+attention_inputs_int4_words.inductor_config = attention_output_and_mlp_int4_words.inductor_config = {
+    **STORE_PRODUCT_INPUTS, **FUSED_MULTIPLY_ADD}
 # int4's products are torch's own kernel, called from inside the graph: their inputs are stored whatever the
 # config (an extern call reads a buffer), so the defaults; its halves buy the calls between the products
 # (4 kernels, ~20 ops a layer), ~65 us a layer on the AMD EPYC (docs/performance.md)
@@ -359,11 +361,16 @@ class CPUDecoderLayer(DecoderLayer):
     @staticmethod
     def weights(*products) -> list[torch.Tensor]:
         """The tensors a whole-half kernel reads for these products: each one's weight, and its scales if int8,
-        its scales and zeros if int4 (an int8 product's codes, and int4's words, as the one-row loops read them:
-        Int8Linear.codes, Int4Linear.codes)."""
-        return [t for m in products
-                for t in (m.codes if isinstance(m, Int8Linear) or getattr(m, "words", False) else m.weight,
-                          *(getattr(m, name) for name in SCALES if hasattr(m, name)))]  # fmt: skip
+        its scales and zeros if int4 (an int8 product's codes, and int4's words and their scales, as the one-row
+        loops read them: Int8Linear.codes, Int4Linear.codes and .scale_words)."""
+        tensors = []
+        for m in products:
+            if isinstance(m, Int4Linear) and m.words:
+                tensors += [m.codes, m.scale_words]
+            else:
+                tensors += [m.codes if isinstance(m, Int8Linear) else m.weight,
+                            *(getattr(m, name) for name in SCALES if hasattr(m, name))]  # fmt: skip
+        return tensors
 
     def kernel(self, fn, *args, **constants):
         """fn's compiled kernel, looked up once per layer and function (every decode step has the same

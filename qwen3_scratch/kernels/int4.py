@@ -30,7 +30,8 @@ Zen 3 cores, where the memory streams ~50 G nibbles/s), and the codes are laid o
 (`words`, words_product): eight nibbles to a 32-bit word (nibble b of word j: column 8j + b, so a word lies inside
 one group), the words of eight rows side by side (a vector of fp32 holds eight rows, and the row's activation is
 one broadcast number), read as float32 (the only load at::vec does at full speed there, as for int8's words).
-One row: 14-20 G weights/s on the 0.6B shapes against torch's 11-14. Several rows go through the same loop in
+One row: 26-28 G weights/s on the 0.6B shapes (14-20 before its products were fused multiply-adds, each nibble
+read in place, and bf16 scales read as words) against torch's 11-14. Several rows go through the same loop in
 blocks of 8, 4, 2 and 1 (ROW_BLOCKS), each word unpacked once for the block: about torch's kernel's speed. From
 widen.MIN_INT4_WORDS_ROWS bf16 rows on, a product in fp32 over the words dequantized a block at a time,
 transposed (dequantize_words_transposed). Exact in fp32 (no weight is rounded to bf16), and a row's bits do not
@@ -130,7 +131,7 @@ def quantize_chunk(w: torch.Tensor, *, group_size: int) -> tuple[torch.Tensor, t
 
 def pack_words_chunk(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_codes' output laid out for the words loop: codes (n, K) -> words (n/8, K/8, 8) int32 (pack_words'
-    layout) and scales_and_zeros (K/g, n, 2) -> (n/8, K/g, 2, 8) (words_scales).
+    layout) and scales_and_zeros (K/g, n, 2) -> (n/8, K/g, 8, 2) (words_scales).
 
     Each row's words first, eight codes ORed at their shifts (nibble 7 reaches the sign bit: a bit pattern, as
     pack_words' int64 sum keeps it), then eight rows' words side by side. quantize_codes and this loop take 3.4 ms
@@ -183,7 +184,7 @@ class Int4Linear(nn.Module):
         packed, scales_and_zeros = quantize_and_pack(linear.weight.detach(), group_size, words=self.words)
         # torch's packing: (N, K/2) uint8, opaque; words: (N/8, K/8, 8) int32
         self.weight = nn.Parameter(packed, requires_grad=False)
-        # (K/g, N, 2) for torch's kernel; words: (N/8, K/g, 2, 8)
+        # (K/g, N, 2) for torch's kernel; words: (N/8, K/g, 8, 2)
         self.scales_and_zeros = nn.Parameter(scales_and_zeros.to(dtype), requires_grad=False)
         self.bias = linear.bias
         if self.words:  # the one-row kernel now: a broken toolchain shows at load (blocks of rows: on first use)
@@ -193,6 +194,13 @@ class Int4Linear(nn.Module):
     def codes(self) -> torch.Tensor:
         """What the one-row loop reads (words): the words as float32 bits."""
         return self.weight.view(torch.float32)
+
+    @property
+    def scale_words(self) -> torch.Tensor:
+        """What the words loop reads for scales_and_zeros (words_scale_and_zero): in bf16, each lane's scale and zero
+        as one float32 word, (N/8, K/g, 8, 1), a view; otherwise the tensor itself."""
+        sz = self.scales_and_zeros
+        return sz.view(torch.float32) if sz.dtype == torch.bfloat16 else sz
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (B*T, K); the kernels read rows densely, and a view such as forward's last_only slice x[:, -1:] is not
@@ -210,21 +218,21 @@ class Int4Linear(nn.Module):
 
     def block_kernel(self, block: torch.Tensor):
         """words_product compiled for blocks of rows of this one's shape, (R, K) fp32 (matvec.kernel keeps it)."""
-        return kernel(words_product, block, self.codes, self.scales_and_zeros)
+        return kernel(words_product, block, self.codes, self.scale_words)
 
     def words_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (R, K) times the matrix in the words layout -> (R, N) in the rows' dtype: blocks of ROW_BLOCKS
         rows through words_product's compiled loop (about torch's kernel's speed from 2 rows, faster at 1), or from
         MIN_INT4_WORDS_ROWS half-precision rows in fp32 over the words dequantized a block at a time."""
         if torch.compiler.is_compiling():  # traced into the caller's graph (a whole-half kernel, torch.compile)
-            return words_product(rows.float(), self.codes, self.scales_and_zeros).to(rows.dtype)
+            return words_product(rows.float(), self.codes, self.scale_words).to(rows.dtype)
         if len(rows) >= widen.MIN_INT4_WORDS_ROWS and rows.dtype in widen.HALF:
             return self.widened_words(rows.float()).to(rows.dtype)
         wide, start, out = rows.float(), 0, [rows.new_empty(0, self.out_features)]  # (no rows: no product)
         for size in ROW_BLOCKS:
             while len(rows) - start >= size:
                 block = wide[start : start + size]
-                out.append(self.block_kernel(block)(block, self.codes, self.scales_and_zeros))
+                out.append(self.block_kernel(block)(block, self.codes, self.scale_words))
                 start += size
         return (out[1] if len(out) == 2 else torch.cat(out)).to(rows.dtype)
 
@@ -236,7 +244,7 @@ class Int4Linear(nn.Module):
         y = torch.empty(len(rows), self.out_features)
         step = widen.BLOCK_ROWS // ROWS  # row blocks of the words
         for start in range(0, len(self.weight), step):
-            words, scales_and_zeros = self.codes[start : start + step], self.scales_and_zeros[start : start + step]
+            words, scales_and_zeros = self.codes[start : start + step], self.scale_words[start : start + step]
             dequantized = kernel(dequantize_words_transposed, words, scales_and_zeros, SHIFTS)
             block = dequantized(words, scales_and_zeros, SHIFTS)
             torch.mm(rows, block, out=y[:, start * ROWS : start * ROWS + block.shape[1]])
@@ -251,7 +259,8 @@ class Int4Linear(nn.Module):
 
 def words_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x (R, K) fp32 times the int4 matrix in the words layout -> (R, N) in the scales' dtype: words (N/8, K/8, 8)
-    float32 bits (pack_words), scales_and_zeros (N/8, K/g, 2, 8) (words_scales). R is fixed when compiled.
+    float32 bits (pack_words), scales_and_zeros (N/8, K/g, 8, 2) (words_scales), or bf16 ones as float32 words
+    (N/8, K/g, 8, 1) (Int4Linear.scale_words). R is fixed when compiled.
 
     For each group of g columns and each row, sum q * x in fp32 over the group, then times the group's scale,
     plus (zero - 8 * scale) times the group's sum of x: the product of the dequantized matrix. Each nibble
@@ -264,18 +273,23 @@ def words_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.
     G, g = scales_and_zeros.shape[1], K // scales_and_zeros.shape[1]
     bits = words.view(torch.int32).view(M, G, g // 8, ROWS)  # (row block, group, word of the group, row)
     columns = x.view(R, G, g // 8, 8)  # columns[r, group, word, b]: row r's number for nibble b's column
-    scale, zero = scales_and_zeros[:, :, 0].float(), scales_and_zeros[:, :, 1].float()  # (M, G, 8) each
+    scale, zero = words_scale_and_zero(scales_and_zeros)  # (M, G, 8) fp32 each
     offsets = zero - 8 * scale
     x_sums = x.view(R, G, g).sum(-1)  # (R, G)
+    # nibble b read in place, q * 16**b, with a mask alone (the top one shifted down: in place it holds the sign
+    # bit), and its sums times 16**-b: a power of two rounds nothing (short of fp32's overflow and underflow), so
+    # these are the bits of each nibble shifted down first, one instruction a nibble fewer (1.1x the speed)
     out = []
     for r in range(R):
         sums = None
         for b in range(8):
-            nibbles = ((bits >> (4 * b)) & 15).float()
+            nibbles = (bits & (15 << (4 * b))).float() if b < 7 else ((bits >> 28) & 15).float()
             sum_b = (nibbles * columns[r, :, :, b].view(G, g // 8, 1)).sum(2)  # (M, G, 8)
+            sum_b = sum_b * 16.0**-b if 0 < b < 7 else sum_b
             sums = sum_b if sums is None else sums + sum_b
         out.append((sums * scale + offsets * x_sums[r].view(1, G, 1)).sum(1).view(-1))
-    return torch.stack(out).to(scales_and_zeros.dtype)
+    paired = scales_and_zeros.shape[-1] == 1  # bf16 scales viewed as words: the activations are bf16
+    return torch.stack(out).to(torch.bfloat16 if paired else scales_and_zeros.dtype)
 
 
 # Nothing stored between the unpacking and the sums: by default inductor stores a buffer once its expression
@@ -283,8 +297,27 @@ def words_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.
 NEVER_STORE = {name: 1 << 20 for name in ("realize_reads_threshold", "realize_opcount_threshold",
                                           "realize_cpu_opcount_threshold", "realize_acc_reads_threshold",
                                           "realize_cpu_acc_reads_threshold")}  # fmt: skip
-words_product.inductor_config = NEVER_STORE
+# Each product added with one fused multiply-add (the C++ compiler contracts `sum + q * x`; inductor's default keeps
+# them apart, to round as eager does): with the mask above, 3 vector instructions a nibble (mask, convert, FMA)
+# where there were 5, and 1.2x the weights a second on an AMD EPYC Zen 3. The product is rounded once, not twice,
+# so the sums are as near the exact ones or nearer (docs/performance.md). The bits are still one loop's: every
+# kernel that runs it (the blocks of rows, the decode halves of cpu_decode.py) is built so.
+FUSED_MULTIPLY_ADD = {"cpp.enable_floating_point_contract_flag": "fast"}
+words_product.inductor_config = {**NEVER_STORE, **FUSED_MULTIPLY_ADD}
 ROW_BLOCKS = (8, 4, 2, 1)  # several rows run as blocks of these many, one compiled kernel each
+
+
+def words_scale_and_zero(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales and the zeros, (M, G, 8) fp32 each, of scales_and_zeros (M, G, 8, 2), or of bf16 ones viewed as
+    float32 words (M, G, 8, 1) (Int4Linear.scale_words): a lane's scale and zero in one word, loaded as one vector
+    of eight lanes and widened by moving bits (a bf16 is the high half of its fp32). at::vec loads eight bf16
+    through a copy on the stack on AVX2, and the words loop ran at 0.6-0.8x this speed that way; the view is taken
+    outside the kernels, because a view between sizes inside a graph is not fused (docs/performance.md). The same
+    numbers as .float()."""
+    if scales_and_zeros.shape[-1] == 2:
+        return scales_and_zeros[..., 0].float(), scales_and_zeros[..., 1].float()
+    pairs = scales_and_zeros.view(torch.int32).squeeze(-1)  # (M, G, 8): the scale in the low half, little-endian
+    return (pairs << 16).view(torch.float32), (pairs & -65536).view(torch.float32)
 
 
 def matvec_int4_words(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -311,16 +344,17 @@ def unpack_words(words: torch.Tensor) -> torch.Tensor:
 
 
 def words_scales(scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """scales_and_zeros (K/g, N, 2) as the words layout reads them: (N/8, K/g, 2, 8)."""
+    """scales_and_zeros (K/g, N, 2) as the words layout reads them: (N/8, K/g, 8, 2), eight rows' (scale, zero)
+    pairs side by side (words_scale_and_zero)."""
     G, N, _ = scales_and_zeros.shape
-    return scales_and_zeros.view(G, N // ROWS, ROWS, 2).permute(1, 0, 3, 2).contiguous()
+    return scales_and_zeros.view(G, N // ROWS, ROWS, 2).transpose(0, 1).contiguous()
 
 
 def dequantize_words(words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """The rows a block of words stands for, (n, K) fp32, from its scales_and_zeros (n/8, K/g, 2, 8): eager, the
+    """The rows a block of words stands for, (n, K) fp32, from its scales_and_zeros (n/8, K/g, 8, 2): eager, the
     reference the tests hold dequantize_words_transposed and the products to."""
     m, G = scales_and_zeros.shape[:2]
-    return dequantize(unpack_words(words), scales_and_zeros.permute(1, 0, 3, 2).reshape(G, m * ROWS, 2))
+    return dequantize(unpack_words(words), scales_and_zeros.transpose(0, 1).reshape(G, m * ROWS, 2))
 
 
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble b of a word: bits 4b .. 4b + 3
@@ -329,15 +363,14 @@ SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble b of a word: bits 4
 def dequantize_words_transposed(words: torch.Tensor, scales_and_zeros: torch.Tensor,
                                 shifts: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The rows a block of words stands for, transposed: (K, n) fp32, [8j + b, 8m + r] = row 8m + r's weight of
-    column 8j + b, from words (n/8, K/8, 8) float32 bits and scales_and_zeros (n/8, K/g, 2, 8); shifts is SHIFTS.
+    column 8j + b, from words (n/8, K/8, 8) float32 bits and scales_and_zeros (n/8, K/g, 8, 2); shifts is SHIFTS.
     Laid out as the words are, eight rows side by side, so each vector of the output is one word vector shifted
     (the shift a tensor rather than a Python number: one compiled loop over every nibble position)."""
     m, J, _ = words.shape
     G = scales_and_zeros.shape[1]
     bits = words.view(torch.int32).permute(1, 0, 2).reshape(J, 1, m, ROWS)  # (J, 1, m, 8)
     q = ((bits >> shifts.view(1, 8, 1, 1)) & 15).float().view(G, J // G, 8, m, ROWS)  # (group, word, b, m, r)
-    scale_and_zero = scales_and_zeros.float().permute(1, 2, 0, 3)  # (G, 2, m, 8)
-    scale, zero = (t.reshape(G, 1, 1, m, ROWS) for t in scale_and_zero.unbind(1))
+    scale, zero = (t.transpose(0, 1).reshape(G, 1, 1, m, ROWS) for t in words_scale_and_zero(scales_and_zeros))
     return ((q - 8) * scale + zero).reshape(J * 8, m * ROWS)
 
 
