@@ -30,7 +30,7 @@ Zen 3 cores, where the memory streams ~50 G nibbles/s), and the codes are laid o
 (`words`, words_product): eight nibbles to a 32-bit word (nibble b of word j: column 8j + b, so a word lies inside
 one group), the words of eight rows side by side (a vector of fp32 holds eight rows, and the row's activation is
 one broadcast number), read as float32 (the only load at::vec does at full speed there, as for int8's words).
-One row: 26-28 G weights/s on the 0.6B shapes (14-20 before its products were fused multiply-adds, each nibble
+One row: 23-28 G weights/s on the 0.6B shapes (14-20 before its products were fused multiply-adds, each nibble
 read in place, and bf16 scales read as words) against torch's 11-14. Several rows go through the same loop in
 blocks of 8, 4, 2 and 1 (ROW_BLOCKS), each word unpacked once for the block: about torch's kernel's speed. From
 widen.MIN_INT4_WORDS_ROWS bf16 rows on, a product in fp32 over the words dequantized a block at a time,
@@ -229,10 +229,11 @@ class Int4Linear(nn.Module):
         if len(rows) >= widen.MIN_INT4_WORDS_ROWS and rows.dtype in widen.HALF:
             return self.widened_words(rows.float()).to(rows.dtype)
         wide, start, out = rows.float(), 0, [rows.new_empty(0, self.out_features)]  # (no rows: no product)
+        codes, scales = self.codes, self.scale_words  # (views, taken once)
         for size in ROW_BLOCKS:
             while len(rows) - start >= size:
                 block = wide[start : start + size]
-                out.append(self.block_kernel(block)(block, self.codes, self.scale_words))
+                out.append(self.block_kernel(block)(block, codes, scales))
                 start += size
         return (out[1] if len(out) == 2 else torch.cat(out)).to(rows.dtype)
 
