@@ -50,7 +50,7 @@ from qwen3_scratch.model.qwen3 import MLP, DecoderLayer, Qwen3, rms_norm
 from qwen3_scratch.model.rope import apply_rope
 
 from . import one_row_attention
-from .int4 import FUSED_MULTIPLY_ADD, Int4Linear, matvec_int4_words
+from .int4 import FUSED_MULTIPLY_ADD, NEVER_STORE, Int4Linear, matvec_int4_words
 from .matvec import MatvecLinear, kernel, matvec, matvec_int8, matvec_int8_words
 from .quantize import Int8Linear
 
@@ -199,10 +199,13 @@ STORE_EVERY_BUFFER = {"realize_reads_threshold": 0, "realize_opcount_threshold":
 attention_inputs.inductor_config = attention_output_and_mlp.inductor_config = STORE_PRODUCT_INPUTS
 attention_inputs_int8.inductor_config = attention_output_and_mlp_int8.inductor_config = STORE_EVERY_BUFFER
 # int4's words loop reads its row one number at a time (a broadcast per column): the row stored once, as for
-# the float halves (with int8's STORE_EVERY_BUFFER inductor stored every unpacked nibble: 125 ms a step)
-# the words loop's multiply-adds fused, as in its own kernels (int4.FUSED_MULTIPLY_ADD)
+# the float halves (with int8's STORE_EVERY_BUFFER inductor stored every unpacked nibble: 125 ms a step), and
+# nothing else stored that the loop's own kernel keeps in registers (int4.NEVER_STORE's other thresholds: with
+# inductor's defaults each product stored its per-group sums and widened scales and applied them in a second
+# loop, 28.5 against 19.9 ms a step for the 28 layers' halves on an AMD EPYC Zen 3, the same bits); the
+# multiply-adds fused, as in the loop's own kernels (int4.FUSED_MULTIPLY_ADD)
 attention_inputs_int4_words.inductor_config = attention_output_and_mlp_int4_words.inductor_config = {
-    **STORE_PRODUCT_INPUTS, **FUSED_MULTIPLY_ADD}
+    **NEVER_STORE, **STORE_PRODUCT_INPUTS, **FUSED_MULTIPLY_ADD}
 # int4's products are torch's own kernel, called from inside the graph: their inputs are stored whatever the
 # config (an extern call reads a buffer), so the defaults; its halves buy the calls between the products
 # (4 kernels, ~20 ops a layer), ~65 us a layer on the AMD EPYC (docs/performance.md)
