@@ -157,7 +157,12 @@ def test_a_quantized_prompt_runs_widened_with_the_logits_of_torchs_kernels(tmp_p
         threshold = {"int8": "MIN_INT8_ROWS", "int4": "MIN_INT4_ROWS", "int4-words": "MIN_INT4_WORDS_ROWS"}[scheme]
         with torch.no_grad():
             monkeypatch.setattr(widen, threshold, 10**9)
-            reference = model(prompt).float()
+            # the words' rows one at a time, through the one-row kernel built at load: a row's bits do not depend on
+            # its block (tests/test_int4.py), and each block size is a kernel per matrix shape to build (~100 s on an
+            # empty inductor cache)
+            with monkeypatch.context() as one_row:
+                one_row.setattr(int4, "ROW_BLOCKS", (1,))
+                reference = model(prompt).float()
             monkeypatch.setattr(widen, threshold, 8)
             calls = count_widened(monkeypatch, "products")
             monkeypatch.setattr(Int4Linear, "widened_words", lambda self, rows: calls.append(rows) or words(self, rows))
