@@ -79,8 +79,8 @@ def test_int4_fp32_logits_equal_the_dequantized_weights_reference(tied, optimize
     expected = reference(x)
     assert_logits_match(model(x), expected, f"int4, optimize={optimize}, prefill")
     tokens = x[0].tolist()
-    # a prompt of whole blocks of 8 rows: the words' blocks of 4, 2 and 1 are test_int4_words_give_the_dequantized_...'s
-    # (each block size is a kernel per matrix shape to build: ~100 s more of this test on an empty inductor cache)
+    # a prompt of whole blocks of 8 rows: the words' smaller blocks are checked on their own below (each block size
+    # is a kernel per matrix shape to build: ~100 s more of this test on an empty inductor cache)
     assert_logits_match(prompt_and_steps(model, tokens, 32), expected[0, 31:], f"int4, optimize={optimize}, decode steps")
 
 

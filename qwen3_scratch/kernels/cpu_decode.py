@@ -202,7 +202,7 @@ attention_inputs_int8.inductor_config = attention_output_and_mlp_int8.inductor_c
 # the float halves (with int8's STORE_EVERY_BUFFER inductor stored every unpacked nibble: 125 ms a step), and
 # nothing else stored that the loop's own kernel keeps in registers (int4.NEVER_STORE's other thresholds: with
 # inductor's defaults each product stored its per-group sums and widened scales and applied them in a second
-# loop, 28.5 against 19.9 ms a step for the 28 layers' halves on an AMD EPYC Zen 3, the same bits); the
+# loop: the 28 layers' halves took 28.5 ms a step on an AMD EPYC Zen 3, now 19.9, with the same bits); the
 # multiply-adds fused, as in the loop's own kernels (int4.FUSED_MULTIPLY_ADD)
 attention_inputs_int4_words.inductor_config = attention_output_and_mlp_int4_words.inductor_config = {
     **NEVER_STORE, **STORE_PRODUCT_INPUTS, **FUSED_MULTIPLY_ADD}
