@@ -144,6 +144,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.sizes, args.new_tokens = "cpu", "tiny", min(args.new_tokens, 4)
+    if args.device == "cpu":
+        # int4 in torch's packing, as on the GPU: the words layout an AVX2 CPU would pick builds its kernels at
+        # load (the smoke's two int4 steps ran into their 60-s limit on an AMD EPYC Zen 3 with a cold cache)
+        os.environ.setdefault("QWEN3_SCRATCH_INT4_LAYOUT", "torch")
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/gpu_check.py " + " ".join(argv or sys.argv[1:])
     report = {"machine": machine(args.device), "command": command, "steps": {}}

@@ -4,6 +4,7 @@ routes, transformers eager and with its static cache, the load benchmark; a fail
 run goes on, and the JSON and markdown report say what each step measured. A broken check fails here, in CI,
 not in a GPU session."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -128,3 +129,21 @@ def test_a_failing_step_is_recorded_and_the_next_one_runs(failing):
 def test_busy_time_counts_overlapping_kernels_once():
     assert union_seconds([(0, 10), (5, 20), (30, 40), (32, 35)]) == pytest.approx(30e-6)
     assert union_seconds([]) == 0.0
+
+
+def test_a_cpu_run_keeps_int4_in_torchs_packing_as_a_gpu_does_unless_told_otherwise(tmp_path, monkeypatch):
+    """The steps inherit the check's environment: on a CPU their int4 runs torch's packing, the layout a GPU runs.
+    An AVX2 CPU would pick the words layout and build its kernels at load, and a hand-run smoke's two int4 steps
+    ran into their 60-s limit that way on an AMD EPYC Zen 3. A layout the user set is kept."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    for chosen, wanted in ((None, "torch"), ("words", "words")):
+        if chosen is None:
+            monkeypatch.delenv("QWEN3_SCRATCH_INT4_LAYOUT", raising=False)
+        else:
+            monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", chosen)
+        assert gpu_check.main(["--out", str(tmp_path), "--smoke", "--steps", "cuda tests"]) == 0
+        assert os.environ["QWEN3_SCRATCH_INT4_LAYOUT"] == wanted
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["steps"] == {"cuda tests": {"skipped": "no CUDA device (a CPU run)"}}
