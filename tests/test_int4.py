@@ -167,7 +167,7 @@ def test_the_int4_layout_follows_the_cpu_unless_the_environment_names_one(monkey
     monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", " Words ")
     assert int4.words_by_default()
     monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "nibbles")
-    with pytest.warns(UserWarning, match="QWEN3_SCRATCH_INT4_LAYOUT='nibbles' is not one of words, torch"):
+    with pytest.warns(UserWarning, match="QWEN3_SCRATCH_INT4_LAYOUT='nibbles' is not one of words, pairs, torch"):
         assert not int4.words_by_default()
 
 

@@ -51,6 +51,7 @@ from qwen3_scratch.model.rope import apply_rope
 
 from . import one_row_attention
 from .int4 import FUSED_MULTIPLY_ADD, NEVER_STORE, Int4Linear, matvec_int4_words
+from .int4_pairs import Int4PairsLinear, matvec_int4_pairs
 from .matvec import MatvecLinear, kernel, matvec, matvec_int8, matvec_int8_words
 from .quantize import Int8Linear
 
@@ -89,12 +90,15 @@ def product(h, weight, scales=None):
     """One product inside a whole-half kernel: h (1, K) -> (N,). matvec's loop (h fp32), int8's (h fp32, the
     row scales given; the codes int8, or as float32 words, Int8Linear.codes), torch's int4 kernel (h in the
     activations' dtype, the packed nibbles and their scales_and_zeros (K/g, N, 2) given: the group size g
-    follows from the shapes), or int4's words loop (h fp32, the words (N/8, K/8, 8) as Int4Linear.codes)."""
+    follows from the shapes), int4's words loop (h fp32, the words (N/8, K/8, 8) as Int4Linear.codes), or the
+    pairs' (h fp32, the words (N/16, K/32, 8, 8): int4_pairs.py)."""
     if weight.dtype == torch.uint8:  # int4.Int4Linear's packed codes: an extern call inside the kernel
         group_size = h.shape[-1] // scales.shape[0]
         return torch._weight_int4pack_mm_for_cpu(h, weight, group_size, scales).view(-1)
     if weight.dim() == 3:  # int4.Int4Linear's words
         return matvec_int4_words(h, weight, scales)
+    if weight.dim() == 4:  # int4_pairs.Int4PairsLinear's pairs
+        return matvec_int4_pairs(h, weight, scales)
     if scales is None:
         return matvec(h, weight)
     return (matvec_int8 if weight.dtype == torch.int8 else matvec_int8_words)(h, weight, scales)
@@ -186,6 +190,21 @@ def attention_output_and_mlp_int4_words(x, y, o_weight, o_scales_and_zeros, norm
                        (down_weight, down_scales_and_zeros), eps=eps)  # fmt: skip
 
 
+def attention_inputs_int4_pairs(x, norm_weight, qkv_weight, qkv_scales_and_zeros, q_norm_weight, k_norm_weight, cos,
+                                sin, *, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):  # fmt: skip
+    """attention_inputs over one fused int4 q/k/v product in the pairs layout (int4_pairs.matvec_int4_pairs)."""
+    return first_half(x, norm_weight, [(qkv_weight, qkv_scales_and_zeros)], q_norm_weight, k_norm_weight, cos, sin,
+                      n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, eps=eps)  # fmt: skip
+
+
+def attention_output_and_mlp_int4_pairs(x, y, o_weight, o_scales_and_zeros, norm_weight, gate_up_weight,
+                                        gate_up_scales_and_zeros, down_weight, down_scales_and_zeros, *,
+                                        eps: float):  # fmt: skip
+    """attention_output_and_mlp over int4 products in the pairs layout, gate/up fused."""
+    return second_half(x, y, (o_weight, o_scales_and_zeros), norm_weight, [(gate_up_weight, gate_up_scales_and_zeros)],
+                       (down_weight, down_scales_and_zeros), eps=eps)  # fmt: skip
+
+
 # The two halves compiled as single graphs: inductor must store each product's input row once (the norms'
 # and SwiGLU's outputs, read by 1-3 products) rather than inline its pointwise tail into every weight row's
 # loop, which it does by default for a buffer read this few times and which made such a graph ~2x slower
@@ -206,13 +225,18 @@ attention_inputs_int8.inductor_config = attention_output_and_mlp_int8.inductor_c
 # multiply-adds fused, as in the loop's own kernels (int4.FUSED_MULTIPLY_ADD)
 attention_inputs_int4_words.inductor_config = attention_output_and_mlp_int4_words.inductor_config = {
     **NEVER_STORE, **STORE_PRODUCT_INPUTS, **FUSED_MULTIPLY_ADD}
+# The pairs' loop stores its own input (each row rounded to int8 codes, int4_pairs.rounded) and nothing else: with
+# the words' setting inductor stored more of it, and the 28 layers' halves took 39 ms against the words' 27 (Zen 3)
+attention_inputs_int4_pairs.inductor_config = attention_output_and_mlp_int4_pairs.inductor_config = {
+    **NEVER_STORE, **FUSED_MULTIPLY_ADD}
 # int4's products are torch's own kernel, called from inside the graph: their inputs are stored whatever the
 # config (an extern call reads a buffer), so the defaults; its halves buy the calls between the products
 # (4 kernels, ~20 ops a layer), ~65 us a layer on the AMD EPYC (docs/performance.md)
 HALVES = {"float": (attention_inputs, attention_output_and_mlp),
           "int8": (attention_inputs_int8, attention_output_and_mlp_int8),
           "int4": (attention_inputs_int4, attention_output_and_mlp_int4),
-          "int4-words": (attention_inputs_int4_words, attention_output_and_mlp_int4_words)}  # fmt: skip
+          "int4-words": (attention_inputs_int4_words, attention_output_and_mlp_int4_words),
+          "int4-pairs": (attention_inputs_int4_pairs, attention_output_and_mlp_int4_pairs)}  # fmt: skip
 
 
 SHORT_CONTEXT = 256  # attended slots up to which half-precision attention runs in fp32 (0: never)
@@ -333,10 +357,11 @@ class CPUDecoderLayer(DecoderLayer):
         return self.__dict__["_halves"]
 
     def whole_halves(self) -> str | None:
-        """"float", "int8", "int4" or "int4-words" when the layer runs as two whole-half kernels, else None: a dense
-        layer whose products are its own (not through a tensor-parallel wrapper), without bias, either the "decode"
-        layout's MatvecLinears over the checkpoint's own matrices, or int8 ones on their compiled CPU loop, or
-        int4 ones (q/k/v and gate/up fused, as quantize_model lays them out). Looked up once per layer."""
+        """"float", "int8", "int4", "int4-words" or "int4-pairs" when the layer runs as two whole-half kernels, else
+        None: a dense layer whose products are its own (not through a tensor-parallel wrapper), without bias, either
+        the "decode" layout's MatvecLinears over the checkpoint's own matrices, or int8 ones on their compiled CPU
+        loop, or int4 ones in one layout (q/k/v and gate/up fused, as quantize_model lays them out). Looked up once
+        per layer."""
         if "_whole_halves" not in self.__dict__:
             attn, mlp, scheme = self.self_attn, self.mlp, None
             if isinstance(mlp, MLP):
@@ -349,8 +374,9 @@ class CPUDecoderLayer(DecoderLayer):
                 if fused == (True, True) and all(int8) and all(m.bias is None for m in products):
                     scheme = "int8"
                 if fused == (True, True) and all(isinstance(m, Int4Linear) and m.bias is None for m in products):
-                    words = {m.words for m in products}
-                    scheme = None if len(words) > 1 else "int4-words" if words == {True} else "int4"
+                    layouts = {"pairs" if isinstance(m, Int4PairsLinear) else "words" if m.words else ""
+                               for m in products}  # fmt: skip
+                    scheme = None if len(layouts) > 1 else "-".join(("int4", *layouts - {""}))
             self.__dict__["_whole_halves"] = scheme
         return self.__dict__["_whole_halves"]
 

@@ -37,6 +37,10 @@ widen.MIN_INT4_WORDS_ROWS bf16 rows on, a product in fp32 over the words dequant
 transposed (dequantize_words_transposed). Exact in fp32 (no weight is rounded to bf16), and a row's bits do not
 depend on the rows beside it. docs/performance.md has the figures; scripts/bench/int4_rows_ab.py the one-row loop.
 
+QWEN3_SCRATCH_INT4_LAYOUT=pairs asks for a third layout, whose loop rounds each activation row to int8 codes as
+llama.cpp's Q4_0 does and multiplies in int32 lanes holding two rows' codes each (int4_pairs.py): faster for batch-1
+decode, not exact.
+
 Exactness: the kernel dequantizes each weight to the activations' dtype and sums in fp32, so with fp32
 activations its logits equal the model whose matrices are `dequantize(...)` to 1e-5 relative
 (tests/test_int4.py); with bf16 activations they differ from that by bf16 rounding.
@@ -63,18 +67,25 @@ DEFAULT_GROUP_SIZE = 32
 INNER_K_TILES = (8, 2)
 PACK_ROWS = 64  # torch's CPU packing lays rows out in blocks of 64 (see unpack)
 ROWS = 8  # rows side by side in the words layout: one AVX2 vector of fp32 (pack_words)
-LAYOUTS = ("words", "torch")  # QWEN3_SCRATCH_INT4_LAYOUT's values
+LAYOUTS = ("words", "pairs", "torch")  # QWEN3_SCRATCH_INT4_LAYOUT's values (pairs: int4_pairs.py)
+
+
+def chosen_layout() -> str:
+    """QWEN3_SCRATCH_INT4_LAYOUT's value, or "" when unset (a value not in LAYOUTS: a warning, and "")."""
+    choice = os.environ.get("QWEN3_SCRATCH_INT4_LAYOUT", "").strip().lower()
+    if choice and choice not in LAYOUTS:
+        warnings.warn(f"QWEN3_SCRATCH_INT4_LAYOUT={choice!r} is not one of {', '.join(LAYOUTS)}; ignored",
+                      stacklevel=3)  # fmt: skip
+        choice = ""
+    return choice
 
 
 def words_by_default() -> bool:
     """Whether a CPU Int4Linear keeps the words layout: QWEN3_SCRATCH_INT4_LAYOUT=words or =torch (torch's packing
-    and kernel) when set, else on a CPU whose widest vectors are AVX2's (matvec.cpu_reads_words)."""
-    choice = os.environ.get("QWEN3_SCRATCH_INT4_LAYOUT", "").strip().lower()
-    if choice and choice not in LAYOUTS:
-        warnings.warn(f"QWEN3_SCRATCH_INT4_LAYOUT={choice!r} is not one of {', '.join(LAYOUTS)}; ignored",
-                      stacklevel=2)  # fmt: skip
-        choice = ""
-    return choice == "words" if choice else cpu_reads_words()
+    and kernel) when set (=pairs: words for a matrix the pairs cannot hold), else on a CPU whose widest vectors are
+    AVX2's (matvec.cpu_reads_words)."""
+    choice = chosen_layout()
+    return choice in ("words", "pairs") if choice else cpu_reads_words()
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,14 +94,15 @@ def quantize_groups(weight: torch.Tensor, group_size: int, rows_per_chunk: int =
     return torch.cat([q for q, _ in chunks]), torch.cat([sz for _, sz in chunks], dim=1)
 
 
-def quantize_and_pack(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096,
-                      words: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def quantize_and_pack(weight: torch.Tensor, group_size: int, rows_per_chunk: int = 4096, words: bool = False,
+                      layout=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(N, K) float -> packed codes for torch's kernel and scales_and_zeros (K/g, N, 2) fp32; with `words`, the
     codes as pack_words lays them out and scales_and_zeros as words_scales does.
 
     In chunks of rows (a multiple of torch's 64-row packing blocks, so packing chunk by chunk equals packing
     the whole), so no int32 or fp32 temporary of a 151936-row lm_head ever exists whole: quantize_codes, then
-    pack_words_chunk for the words. On a CPU each runs its stored kernel once an earlier start has stored it
+    pack_words_chunk for the words (or `layout`, another such loop: int4_pairs.pack_pairs_chunk). On a CPU each runs
+    its stored kernel once an earlier start has stored it
     (0.82 s for the 0.6B shapes on an AMD EPYC Zen 3); until then eagerly (~6 s), the same bits: building its
     kernels (~2.5 s each, ten for the 0.6B shapes' words) would cost a first start more.
     """
@@ -99,14 +111,15 @@ def quantize_and_pack(weight: torch.Tensor, group_size: int, rows_per_chunk: int
         w = weight[start : start + rows_per_chunk].contiguous()  # (n, K)
         stored = stored_kernel(quantize_codes, w, group_size=group_size)
         codes, sz = stored(w) if stored is not None else quantize_codes(w, group_size=group_size)
-        if words:
-            stored = stored_kernel(pack_words_chunk, codes, sz)
-            codes, sz = stored(codes, sz) if stored is not None else pack_words_chunk(codes, sz)
+        if words or layout is not None:
+            layout = layout or pack_words_chunk
+            stored = stored_kernel(layout, codes, sz)
+            codes, sz = stored(codes, sz) if stored is not None else layout(codes, sz)
         else:
             codes = pack(codes.to(torch.int32))
         packed.append(codes)
         scales_and_zeros.append(sz)
-    return torch.cat(packed), torch.cat(scales_and_zeros, dim=0 if words else 1)
+    return torch.cat(packed), torch.cat(scales_and_zeros, dim=0 if words or layout is not None else 1)
 
 
 def quantize_codes(w: torch.Tensor, *, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,10 +191,7 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
         self.split_sizes = getattr(linear, "split_sizes", None)
-        cpu = linear.weight.device.type == "cpu"
-        words = words_by_default() if words is None else words
-        self.words = words and cpu and self.out_features % ROWS == 0 and compiler_works()
-        packed, scales_and_zeros = quantize_and_pack(linear.weight.detach(), group_size, words=self.words)
+        packed, scales_and_zeros = self.quantize(linear.weight.detach(), words)
         # torch's packing: (N, K/2) uint8, opaque; words: (N/8, K/8, 8) int32
         self.weight = nn.Parameter(packed, requires_grad=False)
         # (K/g, N, 2) for torch's kernel; words: (N/8, K/g, 8, 2)
@@ -189,6 +199,21 @@ class Int4Linear(nn.Module):
         self.bias = linear.bias
         if self.words:  # the one-row kernel now: a broken toolchain shows at load (blocks of rows: on first use)
             self.block_kernel(torch.empty(1, self.in_features))
+
+    # the rows a vector of the words holds, and (set below words_product) the loop over them: another layout of
+    # words has its own (int4_pairs.Int4PairsLinear), as it has its own dequantize_transposed for long prompts
+    rows_per_vector, row_blocks = ROWS, None  # row_blocks: None for ROW_BLOCKS
+
+    def quantize(self, weight: torch.Tensor, words: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes in the layout this CPU reads best (sets .words) and their scales_and_zeros."""
+        words = words_by_default() if words is None else words
+        cpu = weight.device.type == "cpu"
+        self.words = words and cpu and self.out_features % ROWS == 0 and compiler_works()
+        return quantize_and_pack(weight, self.group_size, words=self.words)
+
+    @staticmethod
+    def dequantize_transposed(words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+        return kernel(dequantize_words_transposed, words, scales_and_zeros, SHIFTS)(words, scales_and_zeros, SHIFTS)
 
     @property
     def codes(self) -> torch.Tensor:
@@ -218,19 +243,19 @@ class Int4Linear(nn.Module):
 
     def block_kernel(self, block: torch.Tensor):
         """words_product compiled for blocks of rows of this one's shape, (R, K) fp32 (matvec.kernel keeps it)."""
-        return kernel(words_product, block, self.codes, self.scale_words)
+        return kernel(self.loop, block, self.codes, self.scale_words)
 
     def words_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (R, K) times the matrix in the words layout -> (R, N) in the rows' dtype: blocks of ROW_BLOCKS
         rows through words_product's compiled loop (about torch's kernel's speed from 2 rows, faster at 1), or from
         MIN_INT4_WORDS_ROWS half-precision rows in fp32 over the words dequantized a block at a time."""
         if torch.compiler.is_compiling():  # traced into the caller's graph (a whole-half kernel, torch.compile)
-            return words_product(rows.float(), self.codes, self.scale_words).to(rows.dtype)
+            return self.loop(rows.float(), self.codes, self.scale_words).to(rows.dtype)
         if len(rows) >= widen.MIN_INT4_WORDS_ROWS and rows.dtype in widen.HALF:
             return self.widened_words(rows.float()).to(rows.dtype)
         wide, start, out = rows.float(), 0, [rows.new_empty(0, self.out_features)]  # (no rows: no product)
         codes, scales = self.codes, self.scale_words  # (views, taken once)
-        for size in ROW_BLOCKS:
+        for size in self.row_blocks or ROW_BLOCKS:
             while len(rows) - start >= size:
                 block = wide[start : start + size]
                 out.append(self.block_kernel(block)(block, codes, scales))
@@ -243,12 +268,12 @@ class Int4Linear(nn.Module):
         the words lie: each vector of eight rows is one load, shifted (1.4 G weights/s against 0.5 for the (N, K)
         block on the AMD EPYC Zen 3; docs/performance.md), and MKL multiplies by either layout as fast."""
         y = torch.empty(len(rows), self.out_features)
-        step = widen.BLOCK_ROWS // ROWS  # row blocks of the words
+        rows_per_vector = self.rows_per_vector
+        step = widen.BLOCK_ROWS // rows_per_vector  # row blocks of the words
         for start in range(0, len(self.weight), step):
             words, scales_and_zeros = self.codes[start : start + step], self.scale_words[start : start + step]
-            dequantized = kernel(dequantize_words_transposed, words, scales_and_zeros, SHIFTS)
-            block = dequantized(words, scales_and_zeros, SHIFTS)
-            torch.mm(rows, block, out=y[:, start * ROWS : start * ROWS + block.shape[1]])
+            block = self.dequantize_transposed(words, scales_and_zeros)
+            torch.mm(rows, block, out=y[:, start * rows_per_vector : start * rows_per_vector + block.shape[1]])
         return y
 
     def widened_block(self, block: torch.Tensor, start: int, end: int) -> None:
@@ -306,6 +331,7 @@ NEVER_STORE = {name: 1 << 20 for name in ("realize_reads_threshold", "realize_op
 FUSED_MULTIPLY_ADD = {"cpp.enable_floating_point_contract_flag": "fast"}
 words_product.inductor_config = {**NEVER_STORE, **FUSED_MULTIPLY_ADD}
 ROW_BLOCKS = (8, 4, 2, 1)  # several rows run as blocks of these many, one compiled kernel each
+Int4Linear.loop = staticmethod(words_product)
 
 
 def words_scale_and_zero(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

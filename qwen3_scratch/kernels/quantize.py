@@ -20,9 +20,10 @@ from torch import nn
 from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch.model.qwen3 import Qwen3
 
-from . import widen
+from . import int4_pairs, widen
 from .fuse import replace_linears
 from .int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
+from .int4_pairs import Int4PairsLinear
 from .matvec import cpu_reads_words, kernel, matvec_int8, matvec_int8_words, one_row, stored_kernel, unavailable_reason
 
 SCHEMES = ("int8", "int4")  # int4: group-wise scales and zero points, int4.py
@@ -205,7 +206,8 @@ def quantize_model(model: Qwen3, scheme: str = "int8", group_size: int = DEFAULT
     for name, module in model.named_modules():  # every matrix checked before any is replaced
         if isinstance(module, nn.Linear):
             check_group_size(group_size, module.in_features, name)
-    return replace_linears(model, lambda linear: Int4Linear(linear, dtype, group_size))
+    return replace_linears(model, lambda linear: (Int4PairsLinear if int4_pairs.holds(linear, group_size) else
+                                                  Int4Linear)(linear, dtype, group_size))  # fmt: skip
 
 
 def dequantized_weight(layer: Int8Linear) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""int4's two CPU loops side by side on the same codes: the words layout (kernels/int4.py: fp32 rows, exact) and the
+pairs layout (kernels/int4_pairs.py: rows rounded to int8 codes, two matrix rows to a 32-bit lane).
+
+Builds both layouts from the same random codes and bf16 scales for the 0.6B shapes (28 layers' four products,
+q/k/v and gate/up fused, each matrix its own so that nothing stays in cache, and the lm_head), checks the pairs'
+bf16 products against float64's on the rounded rows (to bf16's rounding), says how far rounding the rows moves a
+product, and times both loops alternating (medians):
+
+    PYTHONPATH=. python scripts/bench/int4_layouts_ab.py [--threads 2] [--repeats 15]
+
+docs/performance.md has the figures ("int4 in pairs").
+"""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from qwen3_scratch.kernels import int4, int4_pairs, matvec
+
+LAYER = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))  # fused q/k/v, o, fused gate/up, down
+LM_HEAD = (151936, 1024)
+GROUP = int4_pairs.GROUP
+
+
+def layouts(N: int, K: int, generator: torch.Generator):
+    """The same codes and (scale, zero) pairs as the words and as the pairs read them, and the dequantized matrix."""
+    codes = torch.randint(0, 16, (N, K), generator=generator, dtype=torch.int32)
+    scale = torch.rand(N, K // GROUP, generator=generator) * 0.02
+    zero = torch.randn(N, K // GROUP, generator=generator) * 1e-3
+    sz = torch.stack([scale.t(), zero.t()], dim=-1).bfloat16()  # (G, N, 2), as Int4Linear keeps them in bf16
+    words = (int4.pack_words(codes).view(torch.float32), int4.words_scales(sz).view(torch.float32))
+    pairs = (int4_pairs.pack_pairs(codes).view(torch.float32), int4_pairs.pairs_scales(sz).view(torch.float32))
+    return words, pairs, int4.dequantize(codes, sz.float())
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    codes, d, _ = int4_pairs.rounded(x.view(-1), x.numel() // GROUP)
+    return (codes.view(-1, GROUP).float() * d[:, None]).view(1, -1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(f"{cpu}, {args.threads} threads, torch {torch.__version__}, {capability}")
+    g = torch.Generator().manual_seed(0)
+    for label, shapes, copies in (("28 layers' products", LAYER, 28), ("lm_head", (LM_HEAD,), 1)):
+        calls = {"words": [], "pairs": []}
+        worst, moved, weights = 0.0, 0.0, 0
+        for N, K in shapes:
+            x = torch.randn(1, K, generator=g)
+            for i in range(copies):
+                words, pairs, matrix = layouts(N, K, g)
+                for name, loop, tensors in (("words", int4.words_product, words), ("pairs", int4_pairs.pairs_product,
+                                                                                  pairs)):  # fmt: skip
+                    calls[name].append((matvec.kernel(loop, x, *tensors), (x, *tensors)))
+                weights += N * K
+                if i == 0:  # the pairs against float64 on the rounded row, and what rounding the row moves
+                    fn, a = calls["pairs"][-1]
+                    want = rounded(x).double() @ matrix.double().t()
+                    worst = max(worst, ((fn(*a).double() - want).abs().max() / want.abs().max()).item())
+                    exact = x.double() @ matrix.double().t()
+                    moved = max(moved, ((want - exact).norm() / exact.norm()).item())
+        times = {name: [] for name in calls}
+        for _ in range(args.repeats):
+            for name, kernels in calls.items():
+                start = time.perf_counter()
+                for fn, a in kernels:
+                    fn(*a)
+                times[name].append(time.perf_counter() - start)
+        t = {name: statistics.median(ts) for name, ts in times.items()}
+        print(f"{label}: words {t['words'] * 1e3:.2f} ms ({weights / t['words'] / 1e9:.1f} G weights/s), pairs "
+              f"{t['pairs'] * 1e3:.2f} ms ({weights / t['pairs'] / 1e9:.1f}), x{t['words'] / t['pairs']:.2f}; the "
+              f"pairs' "
+              f"bf16 products against float64's on the rounded row: {worst:.1e} (max, relative, < 2**-8); rounding "
+              f"the row moved the product {moved:.1e} (rms, relative)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
