@@ -3,6 +3,8 @@ int8 weights) keep the model's answers: fp32 logits as transformers' to 1e-5, bf
 transformers', int8 logits as the model whose matrices are the same int8 weights dequantized. Decode's
 one-row products take another path than a prompt's, so each is checked on both. Speed is in scripts/."""
 
+import os
+
 import pytest
 import torch
 from checkpoints import assert_logits_match, build_checkpoint, load_reference
@@ -110,14 +112,19 @@ def test_compiled_one_row_product_equals_linear(shape, dtype):
     assert torch.equal(layer(rows), several), "several rows should take the several-row product's path"
 
 
-@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "quantize"), [(dtype, quantize) for quantize in (None, "int8", "int4")
+                                                  for dtype in (torch.float32, torch.bfloat16)]
+                         + [(torch.bfloat16, "int4-pairs")])  # fmt: skip
 def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dtype, quantize, monkeypatch):
     """cpu_decode's two kernels a layer (the products and the ops between them) keep eager's roundings and
     the products' sums: bf16 bit for bit (with the fp32 attention for short contexts off: it is the one part
     that rounds differently); fp32 within the float rounding of fused multiply-adds. With float weights, int8
     ones and int4 ones (torch's int4 kernel called inside the halves, or the words loop on an AVX2 CPU: the same
-    kernel as eager's, so equal)."""
+    kernel as eager's, so equal; or the pairs, QWEN3_SCRATCH_INT4_LAYOUT=pairs: their fp32 halves are held to
+    a reference in tests/test_int4_pairs.py)."""
+    if quantize == "int4-pairs":
+        monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "pairs")
+        quantize = "int4"
     monkeypatch.setattr(cpu_decode, "SHORT_CONTEXT", 0)
     monkeypatch.setattr(cpu_decode, "FLASH_ATTENTION", False)
     monkeypatch.setattr(cpu_decode, "ONE_ROW_KERNEL", False)
@@ -126,8 +133,9 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     assert all(type(layer) is CPUDecoderLayer for layer in model.model.layers)
     tokens = ids(1, 40, seed=5)[0].tolist()
     fast = decode_logits(model, tokens, prompt_len=20).float()
-    scheme = model.model.layers[0].whole_halves()  # int4: "int4-words" on a CPU with AVX2 only
-    assert scheme in ((quantize or "float"), f"{quantize}-words")
+    scheme = model.model.layers[0].whole_halves()  # int4: "int4-words" on a CPU with AVX2 only, "int4-pairs" if asked
+    assert scheme in ((quantize or "float"), f"{quantize}-words", f"{quantize}-pairs")
+    assert (scheme == "int4-pairs") is (os.environ.get("QWEN3_SCRATCH_INT4_LAYOUT") == "pairs" and quantize == "int4")
     halves = set(cpu_decode.HALVES[scheme])
     assert all(halves <= layer._kernels.keys() for layer in model.model.layers), "a layer is not its two kernels"
     for layer in model.model.layers:

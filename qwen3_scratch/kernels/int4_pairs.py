@@ -21,7 +21,7 @@ each row of the matrix and each group, with the group's codes q, scale s and off
 
 The integer sums are exact, so a product equals the float64 product of the dequantized matrix by the rounded
 row to fp32 rounding (tests/test_int4_pairs.py); rounding the row moves it by ~0.5% (rms, relative: random
-weights and rows, scripts/bench/int4_int8_activations.py), where the int4 codes themselves move the 0.6B
+weights and rows, scripts/bench/int4_layouts_ab.py), where the int4 codes themselves move the 0.6B
 shapes' logits by ~30%. A row's bits do not depend on the rows beside it. A prompt of
 widen.MIN_INT4_WORDS_ROWS half-precision rows or more runs in fp32 over the matrix dequantized a block at a time,
 its rows not rounded (as the words layout's does).
