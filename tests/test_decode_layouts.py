@@ -112,19 +112,15 @@ def test_compiled_one_row_product_equals_linear(shape, dtype):
     assert torch.equal(layer(rows), several), "several rows should take the several-row product's path"
 
 
-@pytest.mark.parametrize(("dtype", "quantize"), [(dtype, quantize) for quantize in (None, "int8", "int4")
-                                                  for dtype in (torch.float32, torch.bfloat16)]
-                         + [(torch.bfloat16, "int4-pairs")])  # fmt: skip
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dtype, quantize, monkeypatch):
     """cpu_decode's two kernels a layer (the products and the ops between them) keep eager's roundings and
     the products' sums: bf16 bit for bit (with the fp32 attention for short contexts off: it is the one part
     that rounds differently); fp32 within the float rounding of fused multiply-adds. With float weights, int8
     ones and int4 ones (torch's int4 kernel called inside the halves, or the words loop on an AVX2 CPU: the same
-    kernel as eager's, so equal; or the pairs, QWEN3_SCRATCH_INT4_LAYOUT=pairs: their fp32 halves are held to
-    a reference in tests/test_int4_pairs.py)."""
-    if quantize == "int4-pairs":
-        monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "pairs")
-        quantize = "int4"
+    kernel as eager's, so equal; the pairs, QWEN3_SCRATCH_INT4_LAYOUT=pairs, pass too, and tests/test_int4_pairs.py
+    holds their halves to the eager layers)."""
     monkeypatch.setattr(cpu_decode, "SHORT_CONTEXT", 0)
     monkeypatch.setattr(cpu_decode, "FLASH_ATTENTION", False)
     monkeypatch.setattr(cpu_decode, "ONE_ROW_KERNEL", False)

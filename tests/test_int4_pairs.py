@@ -14,6 +14,7 @@ from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.kernels import int4, int4_pairs, matvec, widen
 from qwen3_scratch.kernels.int4 import dequantize, quantize_groups
 from qwen3_scratch.kernels.int4_pairs import Int4PairsLinear
+from qwen3_scratch.model.qwen3 import DecoderLayer
 
 
 def rounded_rows(x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +89,8 @@ def tied(tmp_path_factory):
 
 
 def test_a_model_in_pairs_decodes_by_its_halves_what_the_dequantized_model_computes_on_rounded_rows(tied, monkeypatch):
-    """fp32 activations: the prompt one row at a time, then decode steps inside each layer's two kernels. The
-    reference is the dequantized fp32 model with every product's input rounded as the pairs round it; a row value
+    """fp32 activations: the prompt one row at a time, then decode steps inside each layer's two kernels (the
+    eager layers' logits to fp32 rounding). The reference is the dequantized fp32 model with every product's input rounded as the pairs round it; a row value
     that lies on a rounding boundary may round the other way in one of them, so the bar is 1e-4 of the largest
     logit, where not rounding the reference's rows moves them ~100 times as far."""
     monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "pairs")
@@ -109,6 +110,10 @@ def test_a_model_in_pairs_decodes_by_its_halves_what_the_dequantized_model_compu
     theirs = prompt_and_steps(reference, tokens, 32)
     scale = theirs.abs().max().item()
     assert (ours - theirs).abs().max().item() <= 1e-4 * scale
+    for layer in model.model.layers:  # the same products through the eager layers (each its own kernel)
+        layer.__class__ = DecoderLayer
+    eager = prompt_and_steps(model, tokens, 32)
+    assert (ours - eager).abs().max().item() <= 1e-6 * scale, "the halves differ from the eager layers"
     for module in reference.modules():
         module._forward_pre_hooks.clear()
     unrounded = prompt_and_steps(reference, tokens, 32)
