@@ -4,6 +4,8 @@ dequantized matrix by the rounded rows to fp32 rounding, a row's bits are its ow
 half-precision prompts run widened on rows not rounded, and a model in this layout decodes through its two
 whole-half kernels what the dequantized model computes on rounded rows."""
 
+import warnings
+
 import pytest
 import torch
 from checkpoints import build_checkpoint
@@ -81,6 +83,11 @@ def test_the_pairs_are_asked_for_by_the_environment_and_taken_where_they_hold(mo
     assert not int4_pairs.holds(linear, 64), "group size 32 only: the halves' sums are bounded for 8 words"
     assert not int4_pairs.holds(nn.Linear(256, 40, bias=False), 32), "rows in sixteens"
     assert not int4_pairs.holds(nn.Linear(256, 48, bias=False, device="meta"), 32), "a CPU's layout"
+    monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "nibbles")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not int4_pairs.holds(linear, 32)
+    assert not caught, "an unknown layout is named once, by the words' choice (test_int4.py), not per question"
 
 
 @pytest.fixture(scope="module")

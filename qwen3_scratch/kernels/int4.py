@@ -70,12 +70,14 @@ ROWS = 8  # rows side by side in the words layout: one AVX2 vector of fp32 (pack
 LAYOUTS = ("words", "pairs", "torch")  # QWEN3_SCRATCH_INT4_LAYOUT's values (pairs: int4_pairs.py)
 
 
-def chosen_layout() -> str:
-    """QWEN3_SCRATCH_INT4_LAYOUT's value, or "" when unset (a value not in LAYOUTS: a warning, and "")."""
+def chosen_layout(warn: bool = True) -> str:
+    """QWEN3_SCRATCH_INT4_LAYOUT's value, or "" when unset (a value not in LAYOUTS: "", and a warning if `warn`:
+    words_by_default gives it, once for the run)."""
     choice = os.environ.get("QWEN3_SCRATCH_INT4_LAYOUT", "").strip().lower()
     if choice and choice not in LAYOUTS:
-        warnings.warn(f"QWEN3_SCRATCH_INT4_LAYOUT={choice!r} is not one of {', '.join(LAYOUTS)}; ignored",
-                      stacklevel=3)  # fmt: skip
+        if warn:
+            warnings.warn(f"QWEN3_SCRATCH_INT4_LAYOUT={choice!r} is not one of {', '.join(LAYOUTS)}; ignored",
+                          stacklevel=3)  # fmt: skip
         choice = ""
     return choice
 

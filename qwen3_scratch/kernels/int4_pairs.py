@@ -49,7 +49,7 @@ LIMIT = 127  # the activations' codes: -127 .. 127
 def holds(linear: torch.nn.Linear, group_size: int) -> bool:
     """Whether QWEN3_SCRATCH_INT4_LAYOUT=pairs asks for this layout and it can hold this CPU matrix (group size 32,
     rows in multiples of 16) with a compiler to build its loop."""
-    return (int4.chosen_layout() == "pairs" and linear.weight.device.type == "cpu" and group_size == GROUP
+    return (int4.chosen_layout(warn=False) == "pairs" and linear.weight.device.type == "cpu" and group_size == GROUP
             and linear.out_features % ROWS == 0 and linear.in_features % GROUP == 0 and compiler_works())  # fmt: skip
 
 
