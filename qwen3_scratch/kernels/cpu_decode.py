@@ -374,9 +374,9 @@ class CPUDecoderLayer(DecoderLayer):
                 if fused == (True, True) and all(int8) and all(m.bias is None for m in products):
                     scheme = "int8"
                 if fused == (True, True) and all(isinstance(m, Int4Linear) and m.bias is None for m in products):
-                    layouts = {"pairs" if isinstance(m, Int4PairsLinear) else "words" if m.words else ""
+                    layouts = {"-pairs" if isinstance(m, Int4PairsLinear) else "-words" if m.words else ""
                                for m in products}  # fmt: skip
-                    scheme = None if len(layouts) > 1 else "-".join(("int4", *layouts - {""}))
+                    scheme = f"int4{layouts.pop()}" if len(layouts) == 1 else None
             self.__dict__["_whole_halves"] = scheme
         return self.__dict__["_whole_halves"]
 

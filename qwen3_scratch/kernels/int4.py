@@ -108,20 +108,20 @@ def quantize_and_pack(weight: torch.Tensor, group_size: int, rows_per_chunk: int
     (0.82 s for the 0.6B shapes on an AMD EPYC Zen 3); until then eagerly (~6 s), the same bits: building its
     kernels (~2.5 s each, ten for the 0.6B shapes' words) would cost a first start more.
     """
+    layout = layout or (pack_words_chunk if words else None)  # None: torch's packing
     packed, scales_and_zeros = [], []
     for start in range(0, len(weight), rows_per_chunk):
         w = weight[start : start + rows_per_chunk].contiguous()  # (n, K)
         stored = stored_kernel(quantize_codes, w, group_size=group_size)
         codes, sz = stored(w) if stored is not None else quantize_codes(w, group_size=group_size)
-        if words or layout is not None:
-            layout = layout or pack_words_chunk
+        if layout is not None:
             stored = stored_kernel(layout, codes, sz)
             codes, sz = stored(codes, sz) if stored is not None else layout(codes, sz)
         else:
             codes = pack(codes.to(torch.int32))
         packed.append(codes)
         scales_and_zeros.append(sz)
-    return torch.cat(packed), torch.cat(scales_and_zeros, dim=0 if words or layout is not None else 1)
+    return torch.cat(packed), torch.cat(scales_and_zeros, dim=1 if layout is None else 0)
 
 
 def quantize_codes(w: torch.Tensor, *, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
