@@ -3,7 +3,6 @@ int8 weights) keep the model's answers: fp32 logits as transformers' to 1e-5, bf
 transformers', int8 logits as the model whose matrices are the same int8 weights dequantized. Decode's
 one-row products take another path than a prompt's, so each is checked on both. Speed is in scripts/."""
 
-import os
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch, generate_tok
 from qwen3_scratch.kernels import cpu_decode, quantize, sgemm
 from qwen3_scratch.kernels import matvec as matvec_module
 from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer
+from qwen3_scratch.kernels.int4_pairs import Int4PairsLinear
 from qwen3_scratch.kernels.matvec import MatvecLinear
 from qwen3_scratch.kernels.quantize import (
     Int8Linear,
@@ -119,8 +119,8 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     the products' sums: bf16 bit for bit (with the fp32 attention for short contexts off: it is the one part
     that rounds differently); fp32 within the float rounding of fused multiply-adds. With float weights, int8
     ones and int4 ones (torch's int4 kernel called inside the halves, or the words loop on an AVX2 CPU: the same
-    kernel as eager's, so equal; the pairs, QWEN3_SCRATCH_INT4_LAYOUT=pairs, pass too, and tests/test_int4_pairs.py
-    holds their halves to the eager layers)."""
+    kernel as eager's, so equal; the pairs, QWEN3_SCRATCH_INT4_LAYOUT=pairs or unset on AVX2, pass too, and
+    tests/test_int4_pairs.py holds their halves to the eager layers)."""
     monkeypatch.setattr(cpu_decode, "SHORT_CONTEXT", 0)
     monkeypatch.setattr(cpu_decode, "FLASH_ATTENTION", False)
     monkeypatch.setattr(cpu_decode, "ONE_ROW_KERNEL", False)
@@ -129,9 +129,9 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     assert all(type(layer) is CPUDecoderLayer for layer in model.model.layers)
     tokens = ids(1, 40, seed=5)[0].tolist()
     fast = decode_logits(model, tokens, prompt_len=20).float()
-    scheme = model.model.layers[0].whole_halves()  # int4: "int4-words" on a CPU with AVX2 only, "int4-pairs" if asked
+    scheme = model.model.layers[0].whole_halves()  # int4: "int4-pairs" where int4_pairs.holds, "int4-words" if asked
     assert scheme in ((quantize or "float"), f"{quantize}-words", f"{quantize}-pairs")
-    assert (scheme == "int4-pairs") is (os.environ.get("QWEN3_SCRATCH_INT4_LAYOUT") == "pairs" and quantize == "int4")
+    assert (scheme == "int4-pairs") is isinstance(model.lm_head, Int4PairsLinear)  # (the suite's int4: torch's)
     halves = set(cpu_decode.HALVES[scheme])
     assert all(halves <= layer._kernels.keys() for layer in model.model.layers), "a layer is not its two kernels"
     for layer in model.model.layers:

@@ -1,4 +1,4 @@
-"""int4's pairs layout (kernels/int4_pairs.py, QWEN3_SCRATCH_INT4_LAYOUT=pairs): two rows' codes to a 32-bit lane,
+"""int4's pairs layout (kernels/int4_pairs.py, AVX2's default): two rows' codes to a 32-bit lane,
 each activation row rounded to int8 codes a group of 32 at a time. Its products equal the float64 product of the
 dequantized matrix by the rounded rows to fp32 rounding, a row's bits are its own whatever rows are beside it, long
 half-precision prompts run widened on rows not rounded, and a model in this layout decodes through its two
@@ -21,8 +21,8 @@ from qwen3_scratch.model.qwen3 import DecoderLayer
 
 def rounded_rows(x: torch.Tensor) -> torch.Tensor:
     """The rows (R, K) as the pairs' loop multiplies them: each group of 32 rounded to int8 codes times its scale."""
-    rows = [int4_pairs.rounded(row.float(), row.numel() // int4_pairs.GROUP) for row in x]
-    return torch.stack([(codes.view(-1, int4_pairs.GROUP).float() * d[:, None]).view(-1) for codes, d, _ in rows])
+    codes, d, _ = int4_pairs.rounded(x.float(), x.shape[1] // int4_pairs.GROUP)  # (R, G, 8, 4), (R, G)
+    return (codes.view(*d.shape, int4_pairs.GROUP).float() * d[..., None]).view(x.shape)
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -32,14 +32,16 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_rounding_keeps_each_groups_largest_at_127_a_zero_group_at_zero_and_sums_the_codes():
     x = torch.randn(96) * torch.logspace(-3, 2, 96)
     x[32:64] = 0.0
-    codes, d, sums = int4_pairs.rounded(x, 3)
-    codes = codes.view(3, 32)
+    codes, d, sums = int4_pairs.rounded(torch.stack([x, -x]), 3)
+    assert codes.shape == (2, 3, 8, 4) and d.shape == sums.shape == (2, 3)
+    assert torch.equal(codes[1], -codes[0]) and torch.equal(d[1], d[0]), "each row rounded on its own"
+    codes, d, sums = codes[0].view(3, 32), d[0], sums[0]
     assert codes.dtype == torch.int32 and codes.abs().amax(-1).tolist() == [127, 0, 127]
     assert d[1] == 0 and torch.equal(sums, codes.sum(-1).float())
     assert ((codes * d[:, None] - x.view(3, 32)).abs() <= d[:, None] / 2 * (1 + 1e-6)).all(), "not rounded to nearest"
 
 
-def test_pairs_hold_the_codes_and_multiply_the_rounded_rows_exactly_one_row_at_a_time():
+def test_pairs_hold_the_codes_and_multiply_the_rounded_rows_exactly_alone_or_in_blocks():
     torch.manual_seed(0)
     linear = nn.Linear(256, 16 * 9, bias=False)
     pairs = Int4PairsLinear(linear, torch.float32, 32)
@@ -54,12 +56,13 @@ def test_pairs_hold_the_codes_and_multiply_the_rounded_rows_exactly_one_row_at_a
     matrix = dequantize(codes, scales_and_zeros)
     transposed = int4_pairs.dequantize_pairs_transposed(pairs.codes, pairs.scales_and_zeros, int4_pairs.SHIFTS)
     assert torch.equal(transposed, matrix.t()), "a long prompt's blocks"
-    x = torch.randn(3, 256)
+    x = torch.randn(11, 256)  # a block of 8 rows (block_product), then 3 one at a time (row_product)
     got = pairs(x)
     exact = rounded_rows(x).double() @ matrix.double().t()
     assert relative(got, exact) < 1e-5, "the integer sums are exact: fp32 rounding only"
     assert relative(got, x.double() @ matrix.double().t()) > 1e-4, "the rows were not rounded"
     assert torch.equal(torch.cat([pairs(row[None]) for row in x]), got), "a row's bits depend on its neighbours"
+    assert torch.equal(pairs(x.flip(0)), got.flip(0)), "a row's bits depend on its place in the blocks"
 
 
 def test_half_precision_rows_round_few_and_widen_many_as_the_words_do():
@@ -74,8 +77,12 @@ def test_half_precision_rows_round_few_and_widen_many_as_the_words_do():
     assert relative(pairs(many), many.double() @ matrix) < 2**-7, "a long prompt's rows are not rounded"
 
 
-def test_the_pairs_are_asked_for_by_the_environment_and_taken_where_they_hold(monkeypatch):
+def test_the_pairs_are_avx2s_default_or_asked_for_and_taken_where_they_hold(monkeypatch):
     linear = nn.Linear(256, 48, bias=False)
+    monkeypatch.delenv("QWEN3_SCRATCH_INT4_LAYOUT")
+    for avx2 in (True, False):
+        monkeypatch.setattr(int4_pairs, "cpu_reads_words", lambda avx2=avx2: avx2)
+        assert int4_pairs.holds(linear, 32) is avx2, "unset: the pairs on a CPU whose widest vectors are AVX2's"
     monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "words")
     assert not int4_pairs.holds(linear, 32)
     monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "pairs")

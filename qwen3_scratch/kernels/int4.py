@@ -37,9 +37,9 @@ widen.MIN_INT4_WORDS_ROWS bf16 rows on, a product in fp32 over the words dequant
 transposed (dequantize_words_transposed). Exact in fp32 (no weight is rounded to bf16), and a row's bits do not
 depend on the rows beside it. docs/performance.md has the figures; scripts/bench/int4_rows_ab.py the one-row loop.
 
-QWEN3_SCRATCH_INT4_LAYOUT=pairs asks for a third layout, whose loop rounds each activation row to int8 codes as
-llama.cpp's Q4_0 does and multiplies in int32 lanes holding two rows' codes each (int4_pairs.py): faster for batch-1
-decode, not exact.
+On such a CPU the default for group size 32 is now a third layout, whose loops round each activation row to int8
+codes as llama.cpp's Q4_0 does and multiply in int32 lanes holding two rows' codes each (int4_pairs.py): faster at
+one row and at eight, not exact in the rows. QWEN3_SCRATCH_INT4_LAYOUT=words keeps the words.
 
 Exactness: the kernel dequantizes each weight to the activations' dtype and sums in fp32, so with fp32
 activations its logits equal the model whose matrices are `dequantize(...)` to 1e-5 relative
@@ -85,7 +85,7 @@ def chosen_layout(warn: bool = True) -> str:
 def words_by_default() -> bool:
     """Whether a CPU Int4Linear keeps the words layout: QWEN3_SCRATCH_INT4_LAYOUT=words or =torch (torch's packing
     and kernel) when set (=pairs: words for a matrix the pairs cannot hold), else on a CPU whose widest vectors are
-    AVX2's (matvec.cpu_reads_words)."""
+    AVX2's (matvec.cpu_reads_words; there int4_pairs.holds takes the matrices the pairs hold first)."""
     choice = chosen_layout()
     return choice in ("words", "pairs") if choice else cpu_reads_words()
 

@@ -1,4 +1,4 @@
-"""int4 weights times int8 activations, two rows to a 32-bit lane: the pairs layout (QWEN3_SCRATCH_INT4_LAYOUT=pairs).
+"""int4 weights times int8 activations, two rows to a 32-bit lane: the pairs layout, int4's default on AVX2 CPUs.
 
 llama.cpp's Q4_0 multiplies its 4-bit weights by activations rounded to int8 (a scale per 32 numbers) with
 integer instructions. inductor's C++ loops have no 16-bit lanes and no byte dot products, but they multiply int32
@@ -26,19 +26,20 @@ shapes' logits by ~30%. A row's bits do not depend on the rows beside it. A prom
 widen.MIN_INT4_WORDS_ROWS half-precision rows or more runs in fp32 over the matrix dequantized a block at a time,
 its rows not rounded (as the words layout's does).
 
-Only for group size 32 (the default; the words layout otherwise) and rows in multiples of 16; asked for by
-QWEN3_SCRATCH_INT4_LAYOUT=pairs, not by default (its rows are rounded: a choice the user makes). On an AMD EPYC Zen 3
-(2 threads, the 0.6B shapes) the 28 layers' two whole-half kernels took 19 ms a step against the words' 25-26, the
-lm_head 5.1-5.4 against 5.8-5.9 (docs/performance.md). Several rows run one at a time, each reading the whole
-matrix (a block of 8 rows ran at 0.7x one row's speed a row and took ~30 s to build): a batch-1 layout, where the
-words' blocks of rows serve batches better.
+The default on a CPU whose widest vectors are AVX2's (AMD Zen 3, Intel before AVX-512), where it replaced the
+words layout (int4.py) for group size 32 and rows in multiples of 16 (the words otherwise);
+QWEN3_SCRATCH_INT4_LAYOUT=words keeps the words and their fp32 rows, =pairs asks for the pairs on any CPU. On an
+AMD EPYC Zen 3 (2 threads, the 0.6B shapes) the 28 layers' two whole-half kernels took 19 ms a step against the
+words' 25-26, and decode ran at 1.06x llama.cpp's Q4_0 against the words' 0.77x (docs/performance.md). Several
+rows run as blocks of 8 (block_product: the rows a dimension of the loop, each word unpacked once for the block),
+the rest one at a time; a block of 8 rows took 0.87-0.91x the words' time for its 8 rows.
 """
 
 import torch
 
 from . import int4
 from .int4 import FUSED_MULTIPLY_ADD, NEVER_STORE, Int4Linear, compiler_works, words_scale_and_zero
-from .matvec import kernel
+from .matvec import cpu_reads_words, kernel
 
 GROUP = 32  # columns a scale covers, for the weights and for the activations
 WORDS = GROUP // 4  # a group's words: four columns a word
@@ -47,17 +48,27 @@ LIMIT = 127  # the activations' codes: -127 .. 127
 
 
 def holds(linear: torch.nn.Linear, group_size: int) -> bool:
-    """Whether QWEN3_SCRATCH_INT4_LAYOUT=pairs asks for this layout and it can hold this CPU matrix (group size 32,
-    rows in multiples of 16) with a compiler to build its loop."""
-    return (int4.chosen_layout(warn=False) == "pairs" and linear.weight.device.type == "cpu" and group_size == GROUP
-            and linear.out_features % ROWS == 0 and linear.in_features % GROUP == 0 and compiler_works())  # fmt: skip
+    """Whether this CPU matrix is laid out in pairs: QWEN3_SCRATCH_INT4_LAYOUT=pairs asks, or it is unset on a CPU
+    whose widest vectors are AVX2's (where the words layout was the default before); the matrix fits (group size
+    32, rows in multiples of 16) and a compiler builds its loops."""
+    layout = int4.chosen_layout(warn=False)
+    asked = layout == "pairs" or (not layout and cpu_reads_words())
+    return (asked and linear.weight.device.type == "cpu" and group_size == GROUP and linear.out_features % ROWS == 0
+            and linear.in_features % GROUP == 0 and compiler_works())  # fmt: skip
 
 
 def pairs_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x (R, K) fp32 times the matrix in the pairs layout -> (R, N) in the scales' dtype: words (N/16, K/32, 8, 8)
     float32 bits (pack_pairs), scales_and_zeros (N/16, K/32, 2, 8, 2) (pairs_scales) or bf16 ones as float32
-    words (..., 1) (Int4Linear.scale_words). R is fixed when compiled; the rows are a Python loop, each row the
-    same expression, so its bits are the same among any others.
+    words (..., 1) (Int4Linear.scale_words). R is fixed when compiled: one row is row_product's loop (a decode
+    step's), several block_product's (a batch, a short prompt). Both are the same expression for each row, so a
+    row's bits are the same alone or among any others (tests/test_int4_pairs.py)."""
+    product = row_product if x.shape[0] == 1 else block_product
+    return product(x, words, scales_and_zeros)
+
+
+def row_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """pairs_product for one row, x (1, K) -> (1, N).
 
     Each group's sums are written out word by word (a Python sum): as a reduction of eight, inductor stored them
     and read them back in a second loop, at 0.55x the words loop's speed; written out, one loop."""
@@ -65,42 +76,73 @@ def pairs_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.
     # every size given as a number (here and in `rounded`): the compiled kernel's loops then have known lengths
     # (left to the input's sizes, inductor kept M and the 8s as symbols of the kernel, at 0.3x the speed)
     bits = words.view(torch.int32).view(M, G, WORDS, 8)  # (row block, group, word, lane)
-    scales_and_zeros = scales_and_zeros.view(M, G, 2, 8, scales_and_zeros.shape[-1])
-    scale, zero = words_scale_and_zero(scales_and_zeros)  # (M, G, 2, 8) fp32 each: [..., 0, r] row A's, [..., 1, r] B's
-    offset = zero - 8 * scale
-    out = []
-    for r in range(x.shape[0]):
-        row, d, x_sums = rounded(x[r], G)  # (G, WORDS, 4) int32, (G,), (G,)
-        pair_sums = []
-        for first in (0, 2):  # nibbles 0 and 1, then 2 and 3: each pair's sums stay within a half
-            total = None
-            for b in (first, first + 1):
-                for w in range(WORDS):
-                    codes = ((bits[:, :, w] >> (4 * b)) if b else bits[:, :, w]) & 0x000F000F  # (M, G, 8)
-                    term = codes * row[:, w, b].view(1, G, 1)
-                    total = term if total is None else total + term
-            pair_sums.append(total)  # row A's sum + 65536 * row B's
-        low = [(s << 16) >> 16 for s in pair_sums]  # row A's, sign-extended
-        sums = (low[0] + low[1], ((pair_sums[0] - low[0]) >> 16) + ((pair_sums[1] - low[1]) >> 16))  # A's, B's
-        # each half's rows summed over the groups on their own, then side by side (stacked before the sum over
-        # the groups, the integer sums were stored and read back by a second loop)
-        y = [((sums[h].float() * scale[:, :, h] + offset[:, :, h] * x_sums.view(1, G, 1)) * d.view(1, G, 1)).sum(1)
-             for h in (0, 1)]  # fmt: skip
-        out.append(torch.stack(y, 1).view(-1))  # (M, 2, 8): row 16m + 8h + r
+    row, d, x_sums = rounded(x, G)  # (1, G, WORDS, 4) int32, (1, G), (1, G)
+    pair_sums = []
+    for first in (0, 2):  # nibbles 0 and 1, then 2 and 3: each pair's sums stay within a half
+        total = None
+        for b in (first, first + 1):
+            for w in range(WORDS):
+                codes = ((bits[:, :, w] >> (4 * b)) if b else bits[:, :, w]) & 0x000F000F  # (M, G, 8)
+                term = codes * row[0, :, w, b].view(1, G, 1)
+                total = term if total is None else total + term
+        pair_sums.append(total)  # row A's sum + 65536 * row B's, (M, G, 8)
+    return scaled(pair_sums, scales_and_zeros, d.view(1, G, 1), x_sums.view(1, G, 1), group_dim=1).view(1, -1)
+
+
+def block_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """pairs_product for R > 1 rows, x (R, K) -> (R, N): the rows one more dimension of the same loop, which
+    unpacks each word once for all of them (the rows written out one by one instead, each its own copy of
+    row_product's sums, 8 rows took ~30 s to build and ran slower a row than one row alone). On an AMD EPYC
+    Zen 3 (2 threads, 6144 x 1024, out of cache) 8 rows took 0.133 ms a row, one row 0.21-0.28, the words'
+    blocks of 8 rows 0.145."""
+    R = x.shape[0]
+    M, G = words.shape[:2]
+    bits = words.view(torch.int32).view(M, 1, G, WORDS, 8)  # (row block, row, group, word, lane)
+    row, d, x_sums = rounded(x, G)  # (R, G, WORDS, 4), (R, G), (R, G)
+    pair_sums = []
+    for first in (0, 2):
+        total = None
+        for b in (first, first + 1):
+            for w in range(WORDS):
+                codes = ((bits[:, :, :, w] >> (4 * b)) if b else bits[:, :, :, w]) & 0x000F000F  # (M, 1, G, 8)
+                term = codes * row[:, :, w, b].view(1, R, G, 1)
+                total = term if total is None else total + term
+        pair_sums.append(total)  # (M, R, G, 8)
+    y = scaled(pair_sums, scales_and_zeros.view(M, 1, *scales_and_zeros.shape[1:]), d.view(1, R, G, 1),
+               x_sums.view(1, R, G, 1), group_dim=2)  # fmt: skip
+    return y.view(M, R, ROWS).transpose(0, 1).reshape(R, M * ROWS)
+
+
+def scaled(pair_sums: list[torch.Tensor], scales_and_zeros: torch.Tensor, d: torch.Tensor, x_sums: torch.Tensor,
+           group_dim: int) -> torch.Tensor:  # fmt: skip
+    """The two pair sums (..., G, 8) int32 (G at group_dim) -> the products (..., 2, 8) in the scales' dtype, row
+    16m + 8h + r at [m, ..., h, r]: each half's sums taken out of the lanes, times the group's scale plus its offset
+    times the row's sum of codes, times the row's scale d, summed over the groups. scales_and_zeros broadcasts
+    against the sums, (..., G, 2, 8, 2 | 1)."""
     paired = scales_and_zeros.shape[-1] == 1  # bf16 scales viewed as words: the activations are bf16
-    return torch.stack(out).to(torch.bfloat16 if paired else scales_and_zeros.dtype)
+    # (..., G, 2, 8) fp32 each: [..., 0, r] row A's, [..., 1, r] row B's
+    scale, zero = words_scale_and_zero(scales_and_zeros)
+    offset = zero - 8 * scale
+    low = [(s << 16) >> 16 for s in pair_sums]  # row A's, sign-extended
+    sums = (low[0] + low[1], ((pair_sums[0] - low[0]) >> 16) + ((pair_sums[1] - low[1]) >> 16))  # A's, B's
+    # each half's rows summed over the groups on their own, then side by side (stacked before the sum over
+    # the groups, the integer sums were stored and read back by a second loop)
+    y = [((sums[h].float() * scale.select(-2, h) + offset.select(-2, h) * x_sums) * d).sum(group_dim) for h in (0, 1)]
+    return torch.stack(y, -2).to(torch.bfloat16 if paired else scales_and_zeros.dtype)
 
 
 pairs_product.inductor_config = {**NEVER_STORE, **FUSED_MULTIPLY_ADD}
 
 
-def rounded(row: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One row (K,) fp32 of `groups` groups -> its codes (groups, WORDS, 4) int32 in [-LIMIT, LIMIT], each group's scale
-    d (groups,) and each group's sum of codes (groups,) fp32: the row is d * codes (a group of zeros: codes 0)."""
-    x = row.view(groups, GROUP)
+def rounded(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows x (R, K) fp32 of `groups` groups each -> their codes (R, groups, WORDS, 4) int32 in [-LIMIT, LIMIT], each
+    group's scale d (R, groups) and each group's sum of codes (R, groups) fp32: a row is d * codes (a group of
+    zeros: codes 0)."""
+    R = x.shape[0]
+    x = x.view(R, groups, GROUP)
     d = x.abs().amax(-1) / LIMIT
-    codes = torch.round(x / d.clamp(min=torch.finfo(torch.float32).tiny).view(groups, 1)).clamp(-LIMIT, LIMIT)
-    codes_int = codes.to(torch.int32).view(groups, WORDS, 4)
+    codes = torch.round(x / d.clamp(min=torch.finfo(torch.float32).tiny).view(R, groups, 1)).clamp(-LIMIT, LIMIT)
+    codes_int = codes.to(torch.int32).view(R, groups, WORDS, 4)
     # stored once (inductor's way to ask for a buffer): left inline, every block of 16 rows of the matrix divided and
     # rounded the row again, 32 divisions a group (0.4x the speed)
     from torch._inductor import inductor_prims  # noqa: F401 (defines the op; the compiler is tracing this anyway)
@@ -167,10 +209,10 @@ class Int4PairsLinear(Int4Linear):
     docstring); .words is True, as for the words layout: the same machinery (blocks of rows, long prompts widened,
     the decode halves) over this layout's loops. quantize_model makes one where `holds` says so."""
 
-    # one row a call: each row's products are integer multiplies of their own (the words loop shares each word's
-    # unpacking among a block's rows), and a block of 8 rows ran at 0.7x one row's speed a row (3072 x 1024, Zen 3)
-    # and took ~30 s to build where one row takes ~9
-    loop, rows_per_vector, row_blocks = staticmethod(pairs_product), ROWS, (1,)
+    # blocks of 8 rows through block_product (0.13 ms a row for 6144 x 1024 on the Zen 3, the words' 8-row blocks
+    # 0.15), the rest one at a time (0.17-0.18 ms; 4 rows as a block gained nothing, and each block size is one
+    # more kernel to build, ~6 s a shape)
+    loop, rows_per_vector, row_blocks = staticmethod(pairs_product), ROWS, (8, 1)
 
     def quantize(self, weight: torch.Tensor, words: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
         self.words = True

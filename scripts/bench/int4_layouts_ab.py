@@ -4,9 +4,10 @@ pairs layout (kernels/int4_pairs.py: rows rounded to int8 codes, two matrix rows
 Builds both layouts from the same random codes and bf16 scales for the 0.6B shapes (28 layers' four products,
 q/k/v and gate/up fused, each matrix its own so that nothing stays in cache, and the lm_head), checks the pairs'
 bf16 products against float64's on the rounded rows (to bf16's rounding), says how far rounding the rows moves a
-product, and times both loops alternating (medians):
+product, and times both loops alternating (medians), for one activation row (a decode step) or --rows of them (a
+batch's step: each layout's blocks of rows, as Int4Linear runs them):
 
-    PYTHONPATH=. python scripts/bench/int4_layouts_ab.py [--threads 2] [--repeats 15]
+    PYTHONPATH=. python scripts/bench/int4_layouts_ab.py [--threads 2] [--repeats 15] [--rows 8]
 
 docs/performance.md has the figures ("int4 in pairs").
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from qwen3_scratch.kernels import int4, int4_pairs, matvec
+from qwen3_scratch.kernels.int4_pairs import Int4PairsLinear
 
 LAYER = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))  # fused q/k/v, o, fused gate/up, down
 LM_HEAD = (151936, 1024)
@@ -37,36 +39,51 @@ def layouts(N: int, K: int, generator: torch.Generator):
 
 
 def rounded(x: torch.Tensor) -> torch.Tensor:
-    codes, d, _ = int4_pairs.rounded(x.view(-1), x.numel() // GROUP)
-    return (codes.view(-1, GROUP).float() * d[:, None]).view(1, -1)
+    codes, d, _ = int4_pairs.rounded(x, x.shape[1] // GROUP)
+    return (codes.view(*d.shape, GROUP).float() * d[..., None]).view(x.shape)
+
+
+def blocks(rows: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(start, size) of each block a layout's loop runs `rows` rows as (Int4Linear.words_product's split)."""
+    out, start = [], 0
+    for size in sizes:
+        while rows - start >= size:
+            out.append((start, size))
+            start += size
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--rows", type=int, default=1, help="activation rows a product (a batch's decode step: 8, 16)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
     capability = torch.backends.cpu.get_cpu_capability()
-    print(f"{cpu}, {args.threads} threads, torch {torch.__version__}, {capability}")
+    print(f"{cpu}, {args.threads} threads, torch {torch.__version__}, {capability}, {args.rows} rows a product")
     g = torch.Generator().manual_seed(0)
+    layouts_ = (("words", int4.words_product, int4.ROW_BLOCKS), ("pairs", int4_pairs.pairs_product,
+                                                                  Int4PairsLinear.row_blocks))  # fmt: skip
     for label, shapes, copies in (("28 layers' products", LAYER, 28), ("lm_head", (LM_HEAD,), 1)):
         calls = {"words": [], "pairs": []}
         worst, moved, weights = 0.0, 0.0, 0
         for N, K in shapes:
-            x = torch.randn(1, K, generator=g)
+            x = torch.randn(args.rows, K, generator=g)
             for i in range(copies):
                 words, pairs, matrix = layouts(N, K, g)
-                for name, loop, tensors in (("words", int4.words_product, words), ("pairs", int4_pairs.pairs_product,
-                                                                                  pairs)):  # fmt: skip
-                    calls[name].append((matvec.kernel(loop, x, *tensors), (x, *tensors)))
+                for (name, loop, sizes), tensors in zip(layouts_, (words, pairs), strict=True):
+                    # the rows as Int4Linear.words_product runs them: blocks of each size, largest first
+                    for start, size in blocks(args.rows, sizes):
+                        rows = x[start : start + size]
+                        calls[name].append((matvec.kernel(loop, rows, *tensors), (rows, *tensors)))
                 weights += N * K
-                if i == 0:  # the pairs against float64 on the rounded row, and what rounding the row moves
-                    fn, a = calls["pairs"][-1]
+                if i == 0:  # the pairs against float64 on the rounded rows, and what rounding the rows moves
+                    got = torch.cat([fn(*a) for fn, a in calls["pairs"][-len(blocks(args.rows, layouts_[1][2])) :]])
                     want = rounded(x).double() @ matrix.double().t()
-                    worst = max(worst, ((fn(*a).double() - want).abs().max() / want.abs().max()).item())
+                    worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
                     exact = x.double() @ matrix.double().t()
                     moved = max(moved, ((want - exact).norm() / exact.norm()).item())
         times = {name: [] for name in calls}
@@ -81,7 +98,7 @@ def main() -> None:
               f"{t['pairs'] * 1e3:.2f} ms ({weights / t['pairs'] / 1e9:.1f}), x{t['words'] / t['pairs']:.2f}; the "
               f"pairs' "
               f"bf16 products against float64's on the rounded row: {worst:.1e} (max, relative, < 2**-8); rounding "
-              f"the row moved the product {moved:.1e} (rms, relative)")  # fmt: skip
+              f"the rows moved the product {moved:.1e} (rms, relative)")  # fmt: skip
 
 
 if __name__ == "__main__":
