@@ -3,7 +3,6 @@ int8 weights) keep the model's answers: fp32 logits as transformers' to 1e-5, bf
 transformers', int8 logits as the model whose matrices are the same int8 weights dequantized. Decode's
 one-row products take another path than a prompt's, so each is checked on both. Speed is in scripts/."""
 
-
 import pytest
 import torch
 from checkpoints import assert_logits_match, build_checkpoint, load_reference
