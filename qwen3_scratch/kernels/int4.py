@@ -204,7 +204,7 @@ class Int4Linear(nn.Module):
 
     # the rows a vector of the words holds, and (set below words_product) the loop over them: another layout of
     # words has its own (int4_pairs.Int4PairsLinear), as it has its own dequantize_transposed for long prompts
-    rows_per_vector, row_blocks = ROWS, None  # row_blocks: None for ROW_BLOCKS
+    rows_per_vector = ROWS
 
     def quantize(self, weight: torch.Tensor, words: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes in the layout this CPU reads best (sets .words) and their scales_and_zeros."""
@@ -257,7 +257,7 @@ class Int4Linear(nn.Module):
             return self.widened_words(rows.float()).to(rows.dtype)
         wide, start, out = rows.float(), 0, [rows.new_empty(0, self.out_features)]  # (no rows: no product)
         codes, scales = self.codes, self.scale_words  # (views, taken once)
-        for size in self.row_blocks or ROW_BLOCKS:
+        for size in ROW_BLOCKS:
             while len(rows) - start >= size:
                 block = wide[start : start + size]
                 out.append(self.block_kernel(block)(block, codes, scales))

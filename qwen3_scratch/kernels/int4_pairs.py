@@ -31,8 +31,8 @@ words layout (int4.py) for group size 32 and rows in multiples of 16 (the words 
 QWEN3_SCRATCH_INT4_LAYOUT=words keeps the words and their fp32 rows, =pairs asks for the pairs on any CPU. On an
 AMD EPYC Zen 3 (2 threads, the 0.6B shapes) the 28 layers' two whole-half kernels took 19 ms a step against the
 words' 25-26, and decode ran at 1.06x llama.cpp's Q4_0 against the words' 0.77x (docs/performance.md). Several
-rows run as blocks of 8 (block_product: the rows a dimension of the loop, each word unpacked once for the block),
-the rest one at a time; a block of 8 rows took 0.87-0.91x the words' time for its 8 rows.
+rows run in the words' blocks of 8, 4, 2 and 1 (block_product: the rows a dimension of the loop, each word unpacked
+once for the block), 1.12-1.35x the words' speed at 2 to 16 rows.
 """
 
 import torch
@@ -209,10 +209,10 @@ class Int4PairsLinear(Int4Linear):
     docstring); .words is True, as for the words layout: the same machinery (blocks of rows, long prompts widened,
     the decode halves) over this layout's loops. quantize_model makes one where `holds` says so."""
 
-    # blocks of 8 rows through block_product (0.13 ms a row for 6144 x 1024 on the Zen 3, the words' 8-row blocks
-    # 0.15), the rest one at a time (0.17-0.18 ms; 4 rows as a block gained nothing, and each block size is one
-    # more kernel to build, ~6 s a shape)
-    loop, rows_per_vector, row_blocks = staticmethod(pairs_product), ROWS, (8, 1)
+    # several rows in the words' blocks of 8, 4, 2 and 1 (int4.ROW_BLOCKS), a block of more than one through
+    # block_product: the 0.6B shapes' 28 layers' products took 1/1.19-1.35 of the words' time at 2 and 4 rows, 1/1.18
+    # at 8, 1/1.12 at 16 (Zen 3, 2 threads; scripts/bench/int4_layouts_ab.py --rows R)
+    loop, rows_per_vector = staticmethod(pairs_product), ROWS
 
     def quantize(self, weight: torch.Tensor, words: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
         self.words = True

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from qwen3_scratch.kernels import int4, int4_pairs, matvec
-from qwen3_scratch.kernels.int4_pairs import Int4PairsLinear
 
 LAYER = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))  # fused q/k/v, o, fused gate/up, down
 LM_HEAD = (151936, 1024)
@@ -43,10 +42,10 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     return (codes.view(*d.shape, GROUP).float() * d[..., None]).view(x.shape)
 
 
-def blocks(rows: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(start, size) of each block a layout's loop runs `rows` rows as (Int4Linear.words_product's split)."""
+def blocks(rows: int) -> list[tuple[int, int]]:
+    """(start, size) of each block `rows` rows run as (Int4Linear.words_product's split, either layout)."""
     out, start = [], 0
-    for size in sizes:
+    for size in int4.ROW_BLOCKS:
         while rows - start >= size:
             out.append((start, size))
             start += size
@@ -65,8 +64,7 @@ def main() -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"{cpu}, {args.threads} threads, torch {torch.__version__}, {capability}, {args.rows} rows a product")
     g = torch.Generator().manual_seed(0)
-    layouts_ = (("words", int4.words_product, int4.ROW_BLOCKS), ("pairs", int4_pairs.pairs_product,
-                                                                  Int4PairsLinear.row_blocks))  # fmt: skip
+    layouts_ = (("words", int4.words_product), ("pairs", int4_pairs.pairs_product))
     for label, shapes, copies in (("28 layers' products", LAYER, 28), ("lm_head", (LM_HEAD,), 1)):
         calls = {"words": [], "pairs": []}
         worst, moved, weights = 0.0, 0.0, 0
@@ -74,14 +72,14 @@ def main() -> None:
             x = torch.randn(args.rows, K, generator=g)
             for i in range(copies):
                 words, pairs, matrix = layouts(N, K, g)
-                for (name, loop, sizes), tensors in zip(layouts_, (words, pairs), strict=True):
+                for (name, loop), tensors in zip(layouts_, (words, pairs), strict=True):
                     # the rows as Int4Linear.words_product runs them: blocks of each size, largest first
-                    for start, size in blocks(args.rows, sizes):
+                    for start, size in blocks(args.rows):
                         rows = x[start : start + size]
                         calls[name].append((matvec.kernel(loop, rows, *tensors), (rows, *tensors)))
                 weights += N * K
                 if i == 0:  # the pairs against float64 on the rounded rows, and what rounding the rows moves
-                    got = torch.cat([fn(*a) for fn, a in calls["pairs"][-len(blocks(args.rows, layouts_[1][2])) :]])
+                    got = torch.cat([fn(*a) for fn, a in calls["pairs"][-len(blocks(args.rows)) :]])
                     want = rounded(x).double() @ matrix.double().t()
                     worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
                     exact = x.double() @ matrix.double().t()
@@ -97,7 +95,7 @@ def main() -> None:
         print(f"{label}: words {t['words'] * 1e3:.2f} ms ({weights / t['words'] / 1e9:.1f} G weights/s), pairs "
               f"{t['pairs'] * 1e3:.2f} ms ({weights / t['pairs'] / 1e9:.1f}), x{t['words'] / t['pairs']:.2f}; the "
               f"pairs' "
-              f"bf16 products against float64's on the rounded row: {worst:.1e} (max, relative, < 2**-8); rounding "
+              f"bf16 products against float64's on the rounded rows: {worst:.1e} (max, relative, < 2**-8); rounding "
               f"the rows moved the product {moved:.1e} (rms, relative)")  # fmt: skip
 
 
