@@ -23,8 +23,9 @@ The integer sums are exact, so a product equals the float64 product of the dequa
 row to fp32 rounding (tests/test_int4_pairs.py); rounding the row moves it by ~0.5% (rms, relative: random
 weights and rows, scripts/bench/int4_layouts_ab.py), where the int4 codes themselves move the 0.6B
 shapes' logits by ~30%. A row's bits do not depend on the rows beside it. A prompt of
-widen.MIN_INT4_WORDS_ROWS half-precision rows or more runs in fp32 over the matrix dequantized a block at a time,
-its rows not rounded (as the words layout's does).
+widen.MIN_INT4_WORDS_ROWS half-precision rows or more runs in fp32 over the matrix dequantized a block at a time
+(as the words layout's does), on its rows rounded the same way: the same products to fp32 rounding, so a request's
+answer does not turn on whether an engine's step packed 64 rows or fewer.
 
 The default on a CPU whose widest vectors are AVX2's (AMD Zen 3, Intel before AVX-512), where it replaced the
 words layout (int4.py) for group size 32 and rows in multiples of 16 (the words otherwise);
@@ -222,3 +223,10 @@ class Int4PairsLinear(Int4Linear):
     def dequantize_transposed(words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
         dequantize = kernel(dequantize_pairs_transposed, words, scales_and_zeros, SHIFTS)
         return dequantize(words, scales_and_zeros, SHIFTS)
+
+    def widened_words(self, rows: torch.Tensor) -> torch.Tensor:
+        """A long prompt's rows (R, K) fp32, rounded as the loops round them, times the matrix in fp32: the loops'
+        products to fp32 rounding (unrounded, the words' way, an engine step that packed 64 rows gave another
+        request's first tokens than the same request alone)."""
+        codes, d, _ = rounded(rows, self.in_features // GROUP)
+        return super().widened_words((codes.view(*d.shape, GROUP).float() * d[..., None]).view(rows.shape))
