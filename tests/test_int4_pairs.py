@@ -112,8 +112,9 @@ def tied(tmp_path_factory):
 
 
 def test_a_model_in_pairs_decodes_by_its_halves_what_the_dequantized_model_computes_on_rounded_rows(tied, monkeypatch):
-    """fp32 activations: the prompt one row at a time, then decode steps inside each layer's two kernels (the
-    eager layers' logits to fp32 rounding). The reference is the dequantized fp32 model with every product's input rounded as the pairs round it; a row value
+    """fp32 activations: the prompt as four blocks of 8 rows, then decode steps inside each layer's two kernels
+    (the eager layers' logits to fp32 rounding). The reference is the dequantized fp32 model with every product's
+    input rounded as the pairs round it; a row value
     that lies on a rounding boundary may round the other way in one of them, so the bar is 1e-4 of the largest
     logit, where not rounding the reference's rows moves them ~100 times as far."""
     monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "pairs")

@@ -255,13 +255,11 @@ class Int4Linear(nn.Module):
             return self.loop(rows.float(), self.codes, self.scale_words).to(rows.dtype)
         if len(rows) >= widen.MIN_INT4_WORDS_ROWS and rows.dtype in widen.HALF:
             return self.widened_words(rows.float()).to(rows.dtype)
-        wide, start, out = rows.float(), 0, [rows.new_empty(0, self.out_features)]  # (no rows: no product)
+        wide, out = rows.float(), [rows.new_empty(0, self.out_features)]  # (no rows: no product)
         codes, scales = self.codes, self.scale_words  # (views, taken once)
-        for size in ROW_BLOCKS:
-            while len(rows) - start >= size:
-                block = wide[start : start + size]
-                out.append(self.block_kernel(block)(block, codes, scales))
-                start += size
+        for start, size in row_blocks(len(rows)):
+            block = wide[start : start + size]
+            out.append(self.block_kernel(block)(block, codes, scales))
         return (out[1] if len(out) == 2 else torch.cat(out)).to(rows.dtype)
 
     def widened_words(self, rows: torch.Tensor) -> torch.Tensor:
@@ -333,6 +331,16 @@ NEVER_STORE = {name: 1 << 20 for name in ("realize_reads_threshold", "realize_op
 FUSED_MULTIPLY_ADD = {"cpp.enable_floating_point_contract_flag": "fast"}
 words_product.inductor_config = {**NEVER_STORE, **FUSED_MULTIPLY_ADD}
 ROW_BLOCKS = (8, 4, 2, 1)  # several rows run as blocks of these many, one compiled kernel each
+
+
+def row_blocks(rows: int) -> list[tuple[int, int]]:
+    """(start, size) of each block `rows` rows run as: ROW_BLOCKS' sizes, largest first."""
+    blocks, start = [], 0
+    for size in ROW_BLOCKS:
+        while rows - start >= size:
+            blocks.append((start, size))
+            start += size
+    return blocks
 Int4Linear.loop = staticmethod(words_product)  # the words layout's loop (int4_pairs.Int4PairsLinear has its own)
 
 

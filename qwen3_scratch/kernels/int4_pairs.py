@@ -24,8 +24,8 @@ row to fp32 rounding (tests/test_int4_pairs.py); rounding the row moves it by ~0
 weights and rows, scripts/bench/int4_layouts_ab.py), where the int4 codes themselves move the 0.6B
 shapes' logits by ~30%. A row's bits do not depend on the rows beside it. A prompt of
 widen.MIN_INT4_WORDS_ROWS half-precision rows or more runs in fp32 over the matrix dequantized a block at a time
-(as the words layout's does), on its rows rounded the same way: the same products to fp32 rounding, so a request's
-answer does not turn on whether an engine's step packed 64 rows or fewer.
+(as the words layout's does), on its rows rounded the same way: the same products to fp32 rounding, so whether an
+engine's step packed a request among 64 rows or fewer moves its products by rounding only.
 
 The default on a CPU whose widest vectors are AVX2's (AMD Zen 3, Intel before AVX-512), where it replaced the
 words layout (int4.py) for group size 32 and rows in multiples of 16 (the words otherwise);
@@ -78,15 +78,7 @@ def row_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Te
     # (left to the input's sizes, inductor kept M and the 8s as symbols of the kernel, at 0.3x the speed)
     bits = words.view(torch.int32).view(M, G, WORDS, 8)  # (row block, group, word, lane)
     row, d, x_sums = rounded(x, G)  # (1, G, WORDS, 4) int32, (1, G), (1, G)
-    pair_sums = []
-    for first in (0, 2):  # nibbles 0 and 1, then 2 and 3: each pair's sums stay within a half
-        total = None
-        for b in (first, first + 1):
-            for w in range(WORDS):
-                codes = ((bits[:, :, w] >> (4 * b)) if b else bits[:, :, w]) & 0x000F000F  # (M, G, 8)
-                term = codes * row[0, :, w, b].view(1, G, 1)
-                total = term if total is None else total + term
-        pair_sums.append(total)  # row A's sum + 65536 * row B's, (M, G, 8)
+    pair_sums = summed_pairs(bits, row, (1, G, 1))  # (M, G, 8) each
     return scaled(pair_sums, scales_and_zeros, d.view(1, G, 1), x_sums.view(1, G, 1), group_dim=1).view(1, -1)
 
 
@@ -100,18 +92,26 @@ def block_product(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.
     M, G = words.shape[:2]
     bits = words.view(torch.int32).view(M, 1, G, WORDS, 8)  # (row block, row, group, word, lane)
     row, d, x_sums = rounded(x, G)  # (R, G, WORDS, 4), (R, G), (R, G)
+    pair_sums = summed_pairs(bits, row, (1, R, G, 1))  # (M, R, G, 8) each
+    y = scaled(pair_sums, scales_and_zeros.view(M, 1, *scales_and_zeros.shape[1:]), d.view(1, R, G, 1),
+               x_sums.view(1, R, G, 1), group_dim=2)  # fmt: skip
+    return y.view(M, R, ROWS).transpose(0, 1).reshape(R, M * ROWS)
+
+
+def summed_pairs(bits: torch.Tensor, row: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """The two pair sums of every group, (..., G, 8) int32 each: nibbles 0 and 1, then 2 and 3 (each pair's sums stay
+    within a half), row A's sum + 65536 * row B's. bits (..., G, WORDS, 8) the matrix's words, row (..., G, WORDS, 4)
+    the rows' codes, each column's viewed as `shape` to broadcast against a word of bits."""
     pair_sums = []
     for first in (0, 2):
         total = None
         for b in (first, first + 1):
             for w in range(WORDS):
-                codes = ((bits[:, :, :, w] >> (4 * b)) if b else bits[:, :, :, w]) & 0x000F000F  # (M, 1, G, 8)
-                term = codes * row[:, :, w, b].view(1, R, G, 1)
+                codes = ((bits[..., w, :] >> (4 * b)) if b else bits[..., w, :]) & 0x000F000F
+                term = codes * row[..., w, b].view(shape)
                 total = term if total is None else total + term
-        pair_sums.append(total)  # (M, R, G, 8)
-    y = scaled(pair_sums, scales_and_zeros.view(M, 1, *scales_and_zeros.shape[1:]), d.view(1, R, G, 1),
-               x_sums.view(1, R, G, 1), group_dim=2)  # fmt: skip
-    return y.view(M, R, ROWS).transpose(0, 1).reshape(R, M * ROWS)
+        pair_sums.append(total)
+    return pair_sums
 
 
 def scaled(pair_sums: list[torch.Tensor], scales_and_zeros: torch.Tensor, d: torch.Tensor, x_sums: torch.Tensor,

@@ -42,16 +42,6 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     return (codes.view(*d.shape, GROUP).float() * d[..., None]).view(x.shape)
 
 
-def blocks(rows: int) -> list[tuple[int, int]]:
-    """(start, size) of each block `rows` rows run as (Int4Linear.words_product's split, either layout)."""
-    out, start = [], 0
-    for size in int4.ROW_BLOCKS:
-        while rows - start >= size:
-            out.append((start, size))
-            start += size
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -74,12 +64,12 @@ def main() -> None:
                 words, pairs, matrix = layouts(N, K, g)
                 for (name, loop), tensors in zip(layouts_, (words, pairs), strict=True):
                     # the rows as Int4Linear.words_product runs them: blocks of each size, largest first
-                    for start, size in blocks(args.rows):
+                    for start, size in int4.row_blocks(args.rows):
                         rows = x[start : start + size]
                         calls[name].append((matvec.kernel(loop, rows, *tensors), (rows, *tensors)))
                 weights += N * K
                 if i == 0:  # the pairs against float64 on the rounded rows, and what rounding the rows moves
-                    got = torch.cat([fn(*a) for fn, a in calls["pairs"][-len(blocks(args.rows)) :]])
+                    got = torch.cat([fn(*a) for fn, a in calls["pairs"][-len(int4.row_blocks(args.rows)) :]])
                     want = rounded(x).double() @ matrix.double().t()
                     worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
                     exact = x.double() @ matrix.double().t()
