@@ -5,14 +5,18 @@ for tiny matmuls, a server waiting on its client, a command starting), so the tr
 at the lowest CPU priority there is (SCHED_IDLE): it runs on the cycles nothing else wants, and the tests beside
 it run as if it were not there. The tests that read the model run last (conftest.py), and wait for what is left.
 
-It trains on one thread. Two threads at idle priority waited on each other: whenever a test took one core,
-the thread left running spun at the next barrier, and a step took 2.2 s instead of 0.27. One thread gives the
-same weights, bit for bit, on the AMD EPYC (40 steps compared), at 0.47 s a step of one core.
+It trains on one thread while tests run. Two threads at idle priority waited on each other: whenever a test took
+one core, the thread left running spun at the next barrier, and a step took 2.2 s instead of 0.27. Once the session
+has nothing left to run but the tests that read the model, it waits for it with both cores idle, and tells the
+training so (SIGUSR1): the steps left run on WAITED_THREADS threads. The thread count does not move a bit of the
+weights (one thread against two: the same weights on the AMD EPYC Zen 4 over 40 steps, and on the Zen 3 over 40
+steps switched from one thread to two at step 20), so when the session began to wait does not change the model.
 
     python tests/trained_fixture.py OUT     # what the session runs: the fixture's checkpoint in OUT
 """
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +31,7 @@ STEPS = 1000
 LAYERS = 2
 MIX = {"add": 0.8, "convert": 0.06, "tool": 0.08, "repeat": 0.03, "small_talk": 0.03}
 SEED = 0
+WAITED_THREADS = 2  # the threads of the steps left once the session waits (the thread counts compared bit for bit)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +44,7 @@ def train(out: Path) -> Path:
     import train_tiny
 
     torch.set_num_threads(1)
+    signal.signal(signal.SIGUSR1, on_wait)  # from here on (before: ignored, so a wait that early is one thread's)
 
     tokenizer = train_tiny.build_tokenizer(seed=SEED)
     shapes = dict(train_tiny.TARGET, num_hidden_layers=LAYERS)
@@ -64,6 +70,8 @@ class BackgroundTraining:
                                             stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
     def result(self) -> Path:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGUSR1)  # the session waits: the training may take the idle cores
         code = self.process.wait()
         if code != 0:
             tail = self.log.read_text(errors="replace").strip().splitlines()[-15:]
@@ -76,6 +84,15 @@ class BackgroundTraining:
             self.process.wait()
 
 
+def on_wait(signum, frame) -> None:
+    """The session waits for the model: the steps left run on WAITED_THREADS threads (Python runs this between two
+    of the step's ops, whose results do not depend on the thread count)."""
+    import torch  # imported by train() before it handles the signal
+
+    torch.set_num_threads(min(WAITED_THREADS, os.cpu_count() or 1))
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until train() has torch to set the threads of
     lowest_priority()  # before torch starts its thread pools
     train(Path(sys.argv[1]))
