@@ -5,14 +5,15 @@ for tiny matmuls, a server waiting on its client, a command starting), so the tr
 at the lowest CPU priority there is (SCHED_IDLE): it runs on the cycles nothing else wants, and the tests beside
 it run as if it were not there. The tests that read the model run last (conftest.py), and wait for what is left.
 
-It trains on one thread while tests run. Two threads at idle priority waited on each other: whenever a test took
-one core, the thread left running spun at the next barrier, and a step took 2.2 s instead of 0.27. Once the session
-has nothing left to run but the tests that read the model, it waits for it with both cores idle, and tells the
-training so (SIGUSR1): the steps left run on WAITED_THREADS threads, 1.9x faster alone on the AMD EPYC Zen 3. The
-thread count does not move a bit of the weights (one thread against two: the same weights on the AMD EPYC Zen 4 over
-40 steps, and on the Zen 3 over 40 steps switched from one thread to two at step 20; tests/test_trained_fixture.py
-checks it wherever the suite runs), so when the session began to wait does not change the model. A CPU with AMX
-(oneDNN's AMX kernels, whose split of a product between threads was not compared) trains on one thread throughout.
+It trains on one thread while tests run. Two threads at idle priority waited on each other: whenever a test took one
+core, the thread left running spun at the next barrier, and a step took 2.2 s instead of 0.27. Once the session has
+nothing left to run but the tests that read the model, it waits for it with both cores idle, and tells the training
+so (SIGUSR1, kept if it comes before torch is imported): the steps left run on WAITED_THREADS threads, 1.9-2.3x the
+steps a second alone on the AMD EPYC Zen 3. The thread count does not move a bit of the weights (one thread against
+two: the same weights on the AMD EPYC Zen 4 over 40 steps, and on the Zen 3 over 40 steps switched from one thread
+to two at step 20; tests/test_trained_fixture.py checks it wherever the suite runs), so when the session began to
+wait does not change the model. A CPU with AMX (oneDNN's AMX kernels, whose split of a product between threads was
+not compared) trains on one thread throughout.
 
     python tests/trained_fixture.py OUT     # what the session runs: the fixture's checkpoint in OUT
 """
@@ -46,8 +47,10 @@ def train(out: Path) -> Path:
     import train_tiny
 
     torch.set_num_threads(1)
-    if switches_threads():  # from here on (before: ignored, so a wait that early is one thread's)
+    if switches_threads():  # from here on the signal sets the threads; one that came before torch did, now
         signal.signal(signal.SIGUSR1, on_wait)
+        if WAITED:
+            on_wait(signal.SIGUSR1, None)
 
     tokenizer = train_tiny.build_tokenizer(seed=SEED)
     shapes = dict(train_tiny.TARGET, num_hidden_layers=LAYERS)
@@ -96,6 +99,13 @@ def switches_threads() -> bool:
         return False
 
 
+WAITED = []  # a wait signalled before train() imported torch (remember_wait)
+
+
+def remember_wait(signum, frame) -> None:
+    WAITED.append(signum)
+
+
 def on_wait(signum, frame) -> None:
     """The session waits for the model: the steps left run on WAITED_THREADS threads (Python runs this between two
     of the step's ops, whose results do not depend on the thread count)."""
@@ -105,6 +115,6 @@ def on_wait(signum, frame) -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until train() has torch to set the threads of
+    signal.signal(signal.SIGUSR1, remember_wait)  # until train() has torch to set the threads of
     lowest_priority()  # before torch starts its thread pools
     train(Path(sys.argv[1]))
