@@ -21,8 +21,7 @@ from qwen3_scratch.model.qwen3 import DecoderLayer
 
 def rounded_rows(x: torch.Tensor) -> torch.Tensor:
     """The rows (R, K) as the pairs' loop multiplies them: each group of 32 rounded to int8 codes times its scale."""
-    codes, d, _ = int4_pairs.rounded(x.float(), x.shape[1] // int4_pairs.GROUP)  # (R, G, 8, 4), (R, G)
-    return (codes.view(*d.shape, int4_pairs.GROUP).float() * d[..., None]).view(x.shape)
+    return int4_pairs.rounded_rows(x.float())
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -114,9 +113,9 @@ def tied(tmp_path_factory):
 def test_a_model_in_pairs_decodes_by_its_halves_what_the_dequantized_model_computes_on_rounded_rows(tied, monkeypatch):
     """fp32 activations: the prompt as four blocks of 8 rows, then decode steps inside each layer's two kernels
     (the eager layers' logits to fp32 rounding). The reference is the dequantized fp32 model with every product's
-    input rounded as the pairs round it; a row value
-    that lies on a rounding boundary may round the other way in one of them, so the bar is 1e-4 of the largest
-    logit, where not rounding the reference's rows moves them ~100 times as far."""
+    input rounded as the pairs round it; a row value that lies on a rounding boundary may round the other way in one
+    of them, so the bar is 1e-4 of the largest logit, where not rounding the reference's rows moves them ~100 times
+    as far."""
     monkeypatch.setenv("QWEN3_SCRATCH_INT4_LAYOUT", "pairs")
     model = load_model(tied, dtype=torch.float32, quantize="int4", optimize="decode")
     assert isinstance(model.lm_head, Int4PairsLinear)

@@ -330,6 +330,7 @@ NEVER_STORE = {name: 1 << 20 for name in ("realize_reads_threshold", "realize_op
 # kernel that runs it (the blocks of rows, the decode halves of cpu_decode.py) is built so.
 FUSED_MULTIPLY_ADD = {"cpp.enable_floating_point_contract_flag": "fast"}
 words_product.inductor_config = {**NEVER_STORE, **FUSED_MULTIPLY_ADD}
+Int4Linear.loop = staticmethod(words_product)  # the words layout's loop (int4_pairs.Int4PairsLinear has its own)
 ROW_BLOCKS = (8, 4, 2, 1)  # several rows run as blocks of these many, one compiled kernel each
 
 
@@ -341,7 +342,6 @@ def row_blocks(rows: int) -> list[tuple[int, int]]:
             blocks.append((start, size))
             start += size
     return blocks
-Int4Linear.loop = staticmethod(words_product)  # the words layout's loop (int4_pairs.Int4PairsLinear has its own)
 
 
 def words_scale_and_zero(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,14 +135,27 @@ def scaled(pair_sums: list[torch.Tensor], scales_and_zeros: torch.Tensor, d: tor
 pairs_product.inductor_config = {**NEVER_STORE, **FUSED_MULTIPLY_ADD}
 
 
-def rounded(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows x (R, K) fp32 of `groups` groups each -> their codes (R, groups, WORDS, 4) int32 in [-LIMIT, LIMIT], each
-    group's scale d (R, groups) and each group's sum of codes (R, groups) fp32: a row is d * codes (a group of
-    zeros: codes 0)."""
+def row_codes(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x (R, K) fp32 of `groups` groups each -> their codes (R, groups, GROUP) fp32 whole numbers in
+    [-LIMIT, LIMIT] and each group's scale d (R, groups): a row is d * codes (a group of zeros: codes 0)."""
     R = x.shape[0]
     x = x.view(R, groups, GROUP)
     d = x.abs().amax(-1) / LIMIT
     codes = torch.round(x / d.clamp(min=torch.finfo(torch.float32).tiny).view(R, groups, 1)).clamp(-LIMIT, LIMIT)
+    return codes, d
+
+
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows x (R, K) fp32 as the loops multiply them, d * codes, fp32 (K a multiple of GROUP)."""
+    codes, d = row_codes(x, x.shape[1] // GROUP)
+    return (codes * d[..., None]).view(x.shape)
+
+
+def rounded(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loops' rows, traced into their kernels: row_codes' codes as (R, groups, WORDS, 4) int32, each group's scale
+    d (R, groups) and each group's sum of codes (R, groups) fp32."""
+    R = x.shape[0]
+    codes, d = row_codes(x, groups)
     codes_int = codes.to(torch.int32).view(R, groups, WORDS, 4)
     # stored once (inductor's way to ask for a buffer): left inline, every block of 16 rows of the matrix divided and
     # rounded the row again, 32 divisions a group (0.4x the speed)
@@ -228,5 +241,4 @@ class Int4PairsLinear(Int4Linear):
         """A long prompt's rows (R, K) fp32, rounded as the loops round them, times the matrix in fp32: the loops'
         products to fp32 rounding (unrounded, the words' way, a request's products moved ~0.5% whenever an engine
         step packed it among 64 rows or more)."""
-        codes, d, _ = rounded(rows, self.in_features // GROUP)
-        return super().widened_words((codes.view(*d.shape, GROUP).float() * d[..., None]).view(rows.shape))
+        return super().widened_words(rounded_rows(rows))  # eagerly: `rounded` is for tracing (it imports inductor)

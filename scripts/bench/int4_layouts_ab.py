@@ -37,11 +37,6 @@ def layouts(N: int, K: int, generator: torch.Generator):
     return words, pairs, int4.dequantize(codes, sz.float())
 
 
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    codes, d, _ = int4_pairs.rounded(x, x.shape[1] // GROUP)
-    return (codes.view(*d.shape, GROUP).float() * d[..., None]).view(x.shape)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -70,7 +65,7 @@ def main() -> None:
                 weights += N * K
                 if i == 0:  # the pairs against float64 on the rounded rows, and what rounding the rows moves
                     got = torch.cat([fn(*a) for fn, a in calls["pairs"][-len(int4.row_blocks(args.rows)) :]])
-                    want = rounded(x).double() @ matrix.double().t()
+                    want = int4_pairs.rounded_rows(x).double() @ matrix.double().t()
                     worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
                     exact = x.double() @ matrix.double().t()
                     moved = max(moved, ((want - exact).norm() / exact.norm()).item())
