@@ -117,5 +117,13 @@ def mm(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Ten
 
 
 def onednn(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """oneDNN's product of rows (R, K) and the dense weight (N, K), transposed, plus bias -> (R, N) fp32."""
-    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    """oneDNN's product of rows (R, K) and the dense weight (N, K), transposed, plus bias -> (R, N) fp32.
+
+    Computed the other way round, weight @ rows.T: the matrix as oneDNN's input and the few rows as its weight,
+    then transposed back (a copy of R x N, ~3% of the product at 16 rows). oneDNN blocks the input's rows for the
+    CPU's registers and streams the weight, so the matrix as the input fills them at a prompt's row counts. On the
+    AMD EPYC Zen 3 (2 threads, GFLOP/s, 28 layers' matrices of the 0.6B shapes out of cache / a widened 512-row block
+    in cache, two runs): 8 rows 39-43 -> 50-55 / 52 -> 59-83; 16 rows 64-65 -> 92-95 / 65 -> 87-102; 32 rows 86-88
+    -> 99-104 / 79-84 -> 97-109; 64 and more rows level within the noise (docs/performance.md)."""
+    y = torch.ops.mkldnn._linear_pointwise(weight, rows, None, "none", [], "").t().contiguous()  # (N, R) -> (R, N)
+    return y if bias is None else y.add_(bias)
