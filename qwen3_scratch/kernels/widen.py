@@ -12,7 +12,7 @@ one) multiplies the rows by each block:
 
     y[:, block] = x.float() @ W[block].float().T          rounded once to the activations' dtype at the end
 
-From about 8 rows on this is faster; below, F.linear is as fast or faster (one row is matvec.py's loop).
+From 6 rows on this is faster; below, F.linear is as fast or faster (one row is matvec.py's loop).
 Measured on the Zen 3, weight GB/s for 28 layers' matrices (out of cache; scripts/bench/benchmark_matvec.py
 --rows R --dtypes bfloat16), the widened product's fp32 part by oneDNN (by MKL: 12 rows were the crossover):
 
@@ -21,6 +21,10 @@ Measured on the Zen 3, weight GB/s for 28 layers' matrices (out of cache; script
            widened           2.3          2.2          2.2          1.7
     down   F.linear          4.0          2.8          2.2          1.1
            widened           2.8          3.1          2.8          2.1
+
+and since oneDNN's product runs the other way round (sgemm.onednn; 2026-12-07, a faster hour of that host), at
+4 / 6 rows F.linear 4.4-4.8 / 2.4-3.4 against widened 2.8-4.5 / 2.9-4.1 across the five shapes (q/k/v, o,
+gate/up, down, lm_head): at 6 rows widened is 1.07-1.34x F.linear on every one, at 4 slower on every one.
 
 and at 300 rows one 6144 x 1024 matrix took 229 ms through bf16 F.linear, 45 ms widened.
 
@@ -55,7 +59,7 @@ from torch import nn
 from . import sgemm
 from .fuse import replace_linears
 
-MIN_ROWS = 8  # fewer rows run torch's own kernel (F.linear), as fast or faster there
+MIN_ROWS = 6  # fewer rows run torch's own kernel (F.linear), as fast or faster there
 MIN_INT8_ROWS = 48  # the same for torch's int8 kernel (its crossover: 32-64 rows)
 MIN_INT4_ROWS = 160  # and its int4 one, which unpacks the nibbles first (crossover: 128-160 rows)
 MIN_INT4_WORDS_ROWS = 64  # int4 in the words layout (int4.py, AVX2 CPUs), dequantized faster (crossover: 48-64)
