@@ -6,7 +6,7 @@ Zen 3, where the memory and the CPU's two FMA units a core would allow several t
 x86 build; the engine's prepacked products already use it, fuse.py) multiplies the same dense matrix, with no
 copy of it and no extra memory, about twice as fast there:
 
-    torch.ops.mkldnn._linear_pointwise(x, W, bias, "none", [], "")      # == F.linear(x, W, bias) in fp32
+    torch.ops.mkldnn._linear_pointwise(W, x, None, "none", [], "").T   # == F.linear(x, W) in fp32
 
 Measured on the Zen 3, 16 rows times 28 layers' matrices of the 0.6B shapes (out of cache), GB/s of weights and
 GFLOP/s (scripts/bench/benchmark_matvec.py --rows 16 --dtypes float32; docs/performance.md, "fp32 products on an
@@ -16,7 +16,8 @@ AMD CPU"):
     F.linear (MKL)        2.7 (21.5)   3.5 (27.8)   2.3 (18.3)   3.5 (27.9)   2.1 (16.6)
     oneDNN, same matrix   4.1 (32.8)   4.7 (37.2)   5.4 (43.3)   4.3 (34.3)   5.9 (47.1)
 
-and at 300 rows oneDNN's was still 1.04-1.57x faster.
+and at 300 rows oneDNN's was still 1.04-1.57x faster. That was oneDNN's product with the rows as its input;
+`onednn` now swaps the roles, another 1.15-1.6x at 8-32 rows (below).
 
 Every fp32 product of more than one row on the CPU goes through `linear` or `mm`: MatvecLinear's prompts in fp32
 and the widened products of bf16, int8 and int4 rows (widen.py). One row runs matvec.py's compiled loop instead.
@@ -120,10 +121,10 @@ def onednn(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     """oneDNN's product of rows (R, K) and the dense weight (N, K), transposed, plus bias -> (R, N) fp32.
 
     Computed the other way round, weight @ rows.T: the matrix as oneDNN's input and the few rows as its weight,
-    then transposed back (a copy of R x N, ~3% of the product at 16 rows). oneDNN blocks the input's rows for the
-    CPU's registers and streams the weight, so the matrix as the input fills them at a prompt's row counts. On the
-    AMD EPYC Zen 3 (2 threads, GFLOP/s, 28 layers' matrices of the 0.6B shapes out of cache / a widened 512-row block
-    in cache, two runs): 8 rows 39-43 -> 50-55 / 52 -> 59-83; 16 rows 64-65 -> 92-95 / 65 -> 87-102; 32 rows 86-88
-    -> 99-104 / 79-84 -> 97-109; 64 and more rows level within the noise (docs/performance.md)."""
+    then transposed back (a copy of R x N, ~3% of the product at 16 rows), which runs faster at a prompt's row
+    counts. On the AMD EPYC Zen 3 (2 threads, GFLOP/s, 28 layers' matrices of the 0.6B shapes out of cache / a
+    widened 512-row block in cache, two runs): 8 rows 39-43 -> 50-55 / 52 -> 59-83; 16 rows 64-65 -> 92-95 / 65 ->
+    87-102; 32 rows 86-88 -> 99-104 / 79-84 -> 97-109; 64 and more rows level within the noise. A 16-token prompt
+    of the 0.6B shapes: fp32 370 -> 327 ms, bf16 (widened) 519 -> 483 ms (docs/performance.md)."""
     y = torch.ops.mkldnn._linear_pointwise(weight, rows, None, "none", [], "").t().contiguous()  # (N, R) -> (R, N)
     return y if bias is None else y.add_(bias)

@@ -22,11 +22,10 @@ Measured on the Zen 3, weight GB/s for 28 layers' matrices (out of cache; script
     down   F.linear          4.0          2.8          2.2          1.1
            widened           2.8          3.1          2.8          2.1
 
-and since oneDNN's product runs the other way round (sgemm.onednn; 2026-12-07, a faster hour of that host), at
-4 / 6 rows F.linear 4.4-4.8 / 2.4-3.4 against widened 2.8-4.5 / 2.9-4.1 across the five shapes (q/k/v, o,
-gate/up, down, lm_head): at 6 rows widened is 1.07-1.34x F.linear on every one, at 4 slower on every one.
-
-and at 300 rows one 6144 x 1024 matrix took 229 ms through bf16 F.linear, 45 ms widened.
+and at 300 rows one 6144 x 1024 matrix took 229 ms through bf16 F.linear, 45 ms widened. Since oneDNN's product
+runs the other way round (sgemm.onednn; 2026-12-07, a faster hour of that host), at 4 / 6 rows F.linear reads
+4.4-4.8 / 2.4-3.4 GB/s against widened 2.8-4.5 / 2.9-4.1 across the five shapes (q/k/v, o, gate/up, down, lm_head):
+at 6 rows widened is 1.07-1.34x F.linear on every one, at 4 slower on every one.
 
 int8 and int4 matrices (quantize.py, int4.py) take bf16 rows wherever they run on a CPU (placement.pick_dtype),
 and torch's int8 and int4 kernels are faster than F.linear there but still slow with many rows: a block of codes
