@@ -39,7 +39,10 @@ kernel / widened (oneDNN's fp32 products):
     int4 6144x1024    5.1 / 22.4    9.8 / 24.4    18.3 / 31.9   37.7 / 42.7   43.7 / 40.6
     int4 1024x3072    2.3 / 15.6    4.5 / 15.7    8.6 / 16.2    12.9 / 19.1   20.9 / 22.2
 
-A 300-token prompt's first token: int8 6.4 -> 3.6 s, int4 6.6 -> 4.5 s (MKL's fp32 products).
+A 300-token prompt's first token: int8 6.4 -> 3.6 s, int4 6.6 -> 4.5 s (MKL's fp32 products). With oneDNN's
+product the other way round (sgemm.onednn), 8 layers' int8 matrices of the 0.6B shapes at 16 / 24 / 32 / 48 rows took
+77-85 / 114-123 / 145-168 / 189-238 ms through torch's kernel and 96-103 / 103-126 / 117-122 / 146-161 ms widened
+(two runs; 2026-12-07): widened from 32 rows.
 
 Exactness: a product of two bf16 (or fp16) numbers is exact in fp32, and so is a bf16 row's number times an int8
 code or an int4 weight dequantized in fp32 (int4.dequantize's); the sums are fp32, as in torch's own kernels. Only
@@ -59,7 +62,7 @@ from . import sgemm
 from .fuse import replace_linears
 
 MIN_ROWS = 6  # fewer rows run torch's own kernel (F.linear), as fast or faster there
-MIN_INT8_ROWS = 48  # the same for torch's int8 kernel (its crossover: 32-64 rows)
+MIN_INT8_ROWS = 32  # the same for torch's int8 kernel (its crossover: ~24 rows since oneDNN's turned around)
 MIN_INT4_ROWS = 160  # and its int4 one, which unpacks the nibbles first (crossover: 128-160 rows)
 MIN_INT4_WORDS_ROWS = 64  # int4 in the words layout (int4.py, AVX2 CPUs), dequantized faster (crossover: 48-64)
 BLOCK_ROWS = 512  # rows of the matrix widened at a time: 2 MB of fp32 at K = 1024 (128 and 2048 were slower)
