@@ -154,8 +154,9 @@ def test_a_product_of_its_own_reads_bf16_weights_as_words_on_a_cpu_with_avx2_onl
     for avx2_only, want in ((True, words), (False, rows)):
         monkeypatch.setattr(matvec_module, "cpu_reads_words", lambda avx2_only=avx2_only: avx2_only)
         assert torch.equal(MatvecLinear(linear)(x).view(-1), want)
-        assert not matvec_module.reads_bf16_words(weight.float())  # fp32 weights: matvec's loop
-        assert not matvec_module.reads_bf16_words(torch.ones(8, 72, dtype=torch.bfloat16))  # no whole vectors
+    monkeypatch.setattr(matvec_module, "cpu_reads_words", lambda: True)
+    assert not matvec_module.reads_bf16_words(weight.float())  # fp32 weights: matvec's loop
+    assert not matvec_module.reads_bf16_words(torch.ones(8, 72, dtype=torch.bfloat16))  # no whole vectors
 
 
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])

@@ -92,16 +92,22 @@ def bf16_word_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     layer's four products 20.7 GB/s either way: inside the whole-half kernels (cpu_decode.py) the loop is not what
     holds them (docs/performance.md)."""
     K = weight.shape[1]
-    halves = x.view(K // 2, 2).t().contiguous()  # (2, K/2)
-    # stored once (inductor's way to ask for a buffer): left to inductor, it read x with a stride of 2 inside the
-    # loop over the matrix and turned that loop around (tiles of 8 rows transposed)
-    from torch._inductor import inductor_prims  # noqa: F401 (defines the op; the compiler is tracing this anyway)
-
-    halves = torch.ops.prims.inductor_force_stride_order(halves, halves.stride())
+    # a buffer: left to inductor, it read x with a stride of 2 inside the loop over the matrix and turned that loop
+    # around (tiles of 8 rows transposed)
+    halves = as_buffer(x.view(K // 2, 2).t().contiguous())  # (2, K/2)
     bits = weight.view(torch.float32).view(torch.int32)  # loaded as float words: at full speed on AVX2 (above)
     low = (bits << 16).view(torch.float32)  # columns 0, 2, 4, ... (little-endian: the low half comes first)
     high = (bits & -65536).view(torch.float32)  # columns 1, 3, 5, ...
     return (low * halves[0] + high * halves[1]).sum(-1)
+
+
+def as_buffer(t: torch.Tensor) -> torch.Tensor:
+    """t as a buffer of its own in the kernel traced from it, in t's layout (inductor's way to ask for one), so the
+    loops that read it load it rather than compute it again where they read it (bf16_word_sums' x de-interleaved,
+    int4_pairs' rounded rows). For functions compiled by kernel(); it imports inductor where called eagerly."""
+    from torch._inductor import inductor_prims  # noqa: F401 (defines the op; the compiler is tracing this anyway)
+
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
 
 
 def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,7 @@ def mm(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Ten
     """out = rows @ weight.T in fp32: rows (R, K), weight (N, K), out (R, N), a view that may be strided.
     widen.products' product of one block; from MKL_BLOCK_ROWS rows on MKL's is kept (measured faster there)."""
     if applies(rows) and len(rows) < MKL_BLOCK_ROWS:
-        return out.copy_(onednn(rows, weight))
+        return out.copy_(onednn_transposed(rows, weight).t())
     return torch.mm(rows, weight.t(), out=out)
 
 
@@ -126,5 +126,10 @@ def onednn(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     widened 512-row block in cache, two runs): 8 rows 39-43 -> 50-55 / 52 -> 59-83; 16 rows 64-65 -> 92-95 / 65 ->
     87-102; 32 rows 86-88 -> 99-104 / 79-84 -> 97-109; 64 and more rows level within the noise. A 16-token prompt
     of the 0.6B shapes: fp32 370 -> 327 ms, bf16 (widened) 519 -> 483 ms (docs/performance.md)."""
-    y = torch.ops.mkldnn._linear_pointwise(weight, rows, None, "none", [], "").t().contiguous()  # (N, R) -> (R, N)
+    y = onednn_transposed(rows, weight).t().contiguous()  # (R, N)
     return y if bias is None else y.add_(bias)
+
+
+def onednn_transposed(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight @ rows.T by oneDNN, the matrix as its input and the rows as its weight (onednn says why): (N, R) fp32."""
+    return torch.ops.mkldnn._linear_pointwise(weight, rows, None, "none", [], "")
