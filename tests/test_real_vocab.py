@@ -99,6 +99,14 @@ def test_control_tokens_have_qwen3s_ids(tokenizer, hf_tokenizer):
     assert tokenizer.vocab_size == 151669 == len(hf_tokenizer), "151643 ranks + 26 added tokens"
 
 
+def test_the_quick_bound_on_ids_is_exact_at_qwen3s_largest_id(tokenizer):
+    """Qwen3's largest id is 151668 (</think>'s neighbours end the added tokens): the file's bytes bound it
+    exactly, so Qwen3's 151936-row embedding and a model of 151669 rows pass without listing the vocabulary,
+    and one row fewer is known to be short."""
+    assert tokenizer._ids_below(151936) and tokenizer._ids_below(151669)
+    assert not tokenizer._ids_below(151668)
+
+
 def test_skip_special_tokens_keeps_think_and_tool_tags(tokenizer, hf_tokenizer):
     ids = tokenizer.encode(CONTROL_TEXT)
     expected = "user\nHi\nassistant\n<think>\nhmm\n</think>\n\n<tool_call>{}</tool_call>OK"

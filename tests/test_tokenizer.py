@@ -152,13 +152,15 @@ def test_added_token_ids_that_contradict_tokenizer_json_are_refused(checkpoint, 
         Tokenizer.from_checkpoint(tmp_path)
 
 
-def test_an_id_past_the_embedding_is_refused_however_tokenizer_json_is_spaced(checkpoint, tmp_path):
-    """The quick bound read from the file's text (Tokenizer._ids_below) must see every id: here one token moved
-    to id 5000 (the tiny model has 1024+ rows), written with spaces before the colons, as JSON allows."""
+@pytest.mark.parametrize("separators", [(", ", " :  "), (",", ":\n\t"), (",", ":")])
+def test_an_id_past_the_embedding_is_refused_however_tokenizer_json_is_spaced(checkpoint, tmp_path, separators):
+    """The quick bound read from the file's bytes (Tokenizer._ids_below) must see every id: here one token moved
+    to id 5000 (the tiny model has 1024+ rows), written with spaces or a line break around the colons, as JSON
+    allows."""
     data = json.loads((checkpoint / "tokenizer.json").read_text(encoding="utf-8"))
     vocab = data["model"]["vocab"]
     vocab[next(token for token, i in vocab.items() if i == 1000)] = 5000
-    (tmp_path / "tokenizer.json").write_text(json.dumps(data, separators=(", ", " :  ")), encoding="utf-8")
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data, separators=separators), encoding="utf-8")
     for name in ("tokenizer_config.json",):
         (tmp_path / name).write_bytes((checkpoint / name).read_bytes())
     tokenizer = Tokenizer.from_checkpoint(tmp_path)
