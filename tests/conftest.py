@@ -65,7 +65,6 @@ def real_vocab_hf_tokenizer(real_vocab_folder):
 # The test session's trained model (tests/trained_fixture.py): trained in a process of its own from the start of
 # the session, on the cycles the other tests leave idle; the modules that read it run last.
 _TRAINING = pytest.StashKey()
-_NAMED_FOR_NOTEBOOK = pytest.StashKey()
 
 
 def _needs_training(item) -> bool:
@@ -91,19 +90,26 @@ def pytest_collection_finish(session):
         session.config.stash[_TRAINING] = BackgroundTraining(folder / "tiny-qwen3-trained")
 
 
-def pytest_runtest_setup(item):
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     """The notebook reads the session's trained model when the session trains one (QWEN3_SCRATCH_TRAINED), instead
-    of training its own small one in its 7th section (~80 s of the two cores, ~135 s beside the other tests)."""
+    of training its own small one in its 7th section (~60 s of the two cores at the end of the suite).
+
+    A protocol hook, the whole session's: pytest calls this file's runtest hooks (setup, call, teardown) only for
+    the items under tests/, so a setup hook here never saw the notebook, which trained its own model in every
+    full run (80-127 s where it takes ~25 s)."""
     training = item.config.stash.get(_TRAINING, None)
-    if _is_notebook(item) and training is not None and "QWEN3_SCRATCH_TRAINED" not in os.environ:
-        os.environ["QWEN3_SCRATCH_TRAINED"] = str(training.result())
-        item.config.stash[_NAMED_FOR_NOTEBOOK] = True
-
-
-def pytest_runtest_teardown(item):
-    if item.config.stash.get(_NAMED_FOR_NOTEBOOK, False):
-        del os.environ["QWEN3_SCRATCH_TRAINED"]
-        item.config.stash[_NAMED_FOR_NOTEBOOK] = False
+    named = _is_notebook(item) and training is not None and "QWEN3_SCRATCH_TRAINED" not in os.environ
+    if named:
+        try:
+            os.environ["QWEN3_SCRATCH_TRAINED"] = str(training.result())
+        except RuntimeError:  # the training failed: the tests that read it say so; the notebook trains its own
+            named = False
+    try:
+        return (yield)
+    finally:
+        if named:
+            del os.environ["QWEN3_SCRATCH_TRAINED"]
 
 
 def pytest_sessionfinish(session):
