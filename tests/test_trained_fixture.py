@@ -1,8 +1,10 @@
 """The session's trained model (trained_fixture.py) trains on one thread beside the tests and on two once the session
 waits for it: the switch, wherever a step takes it, must move no bit of the weights, or the model would depend on when
-the wait began."""
+the wait began; and a wait signalled before the training has a handler for it must not end the training."""
 
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -48,3 +50,16 @@ def test_the_fixtures_steps_give_the_same_weights_on_one_thread_and_after_switch
     switched = fixture_weights(tokenizer, monkeypatch, switch_at=2)
     moved = [name for name in one_thread if not torch.equal(one_thread[name], switched[name])]
     assert not moved, f"two threads from step 2 moved {len(moved)} tensors of the fixture, e.g. {moved[:3]}"
+
+
+def test_a_wait_signalled_as_the_training_starts_does_not_kill_it(tmp_path):
+    """`pytest tests/test_trained_tiny.py` waits for the model at once, so result() signals a training process that
+    has no handler yet (Python is still starting). The signal must wait for the handler, not end the training."""
+    training = trained_fixture.BackgroundTraining(tmp_path / "tiny-qwen3-trained")
+    try:
+        training.process.send_signal(signal.SIGUSR1)  # what result() sends, microseconds after the start
+        time.sleep(3)
+        code = training.process.poll()
+        assert code is None, f"the training ended at the signal (exit {code}): {training.log.read_text()[-500:]}"
+    finally:
+        training.stop()

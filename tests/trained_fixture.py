@@ -71,9 +71,16 @@ class BackgroundTraining:
     def __init__(self, out: Path):
         self.out, self.log = out, out.parent / "training.log"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen([sys.executable, __file__, str(out)], stdout=log,
-                                            stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        # The child starts with SIGUSR1 blocked (a signal mask is inherited), until it has its handler: a wait
+        # signalled in its first ~50 ms (`pytest tests/test_trained_tiny.py` waits at once) stays pending, where
+        # the signal's default action killed it (exit -10).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        try:
+            with open(self.log, "wb") as log:
+                self.process = subprocess.Popen([sys.executable, __file__, str(out)], stdout=log,
+                                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def result(self) -> Path:
         if self.process.poll() is None:
@@ -116,5 +123,6 @@ def on_wait(signum, frame) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGUSR1, remember_wait)  # until train() has torch to set the threads of
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # a wait signalled before now arrives here
     lowest_priority()  # before torch starts its thread pools
     train(Path(sys.argv[1]))
