@@ -100,7 +100,7 @@ def test_control_tokens_have_qwen3s_ids(tokenizer, hf_tokenizer):
 
 
 def test_the_quick_bound_on_ids_is_exact_at_qwen3s_largest_id(tokenizer):
-    """Qwen3's largest id is 151668 (</think>'s neighbours end the added tokens): the file's bytes bound it
+    """Qwen3's largest id is 151668 (</think>, the last added token): the file's bytes bound it
     exactly, so Qwen3's 151936-row embedding and a model of 151669 rows pass without listing the vocabulary,
     and one row fewer is known to be short."""
     assert tokenizer._ids_below(151936) and tokenizer._ids_below(151669)
