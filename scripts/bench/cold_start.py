@@ -58,11 +58,19 @@ def wait_for_builder(cache: str) -> None:
             fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while the builder runs
 
 
-def timed(command: list[str], env: dict | None = None) -> float:
+def user_environment(**extra: str) -> dict:
+    """This process's environment for a timed start, less PYTHONDONTWRITEBYTECODE: a user's Python writes each
+    module's bytecode at its first import and reads it at every later start, where a machine that sets the variable
+    (this project's sandboxes do) compiles our modules and the server's from source at every start, ~0.1-0.3 s
+    of a second start (docs/performance.md). Every command timed, ours and llama.cpp's, starts so."""
     import os
 
+    return {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"} | extra
+
+
+def timed(command: list[str], env: dict | None = None) -> float:
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})})
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=user_environment(**(env or {})))
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
@@ -82,10 +90,9 @@ def warm_commands(with_tokenizer: Path, dtype: str) -> dict[str, list[str]]:
 
 def timed_warm(name: str, args: list[str], root: Path) -> float:
     """One start of a command from the checkout at `root`: the whole process, or for the server, until /health answers."""
-    import os
     import urllib.request
 
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = user_environment(PYTHONPATH=str(root))
     start = time.perf_counter()
     if not name.startswith("qwen3-serve"):
         done = subprocess.run([sys.executable, *args], input="Hi\n", capture_output=True, text=True, cwd=root, env=env)
