@@ -181,6 +181,8 @@ def test_compiled_decode_layers_equal_the_eager_layers(tied, bf16_checkpoint, dt
     assert (scheme == "int4-pairs") is isinstance(model.lm_head, Int4PairsLinear)  # (the suite's int4: torch's)
     halves = set(cpu_decode.HALVES[scheme])
     assert all(halves <= layer._kernels.keys() for layer in model.model.layers), "a layer is not its two kernels"
+    steps = [layer.__dict__.get("_step") for layer in model.model.layers]  # the steps after each layer's first
+    assert all(isinstance(step, cpu_decode.HalvesStep) for step in steps), "a layer's later steps looked its kernels up"
     for layer in model.model.layers:
         layer.__class__ = DecoderLayer
     eager = decode_logits(model, tokens, prompt_len=20).float()

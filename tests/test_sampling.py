@@ -377,17 +377,28 @@ def test_impossible_checkpoint_values_raise_naming_file_and_key(tmp_path, conten
         load_generation_config(tmp_path)
 
 
-def test_greedy_draw_equals_argmax_of_the_widened_logits_with_the_isfinite_check():
-    """sampling.logits.greedy reads the row fewer times than `isfinite(...).all()` + argmax; same ids, first
-    index on ties (bf16 logits tie often), NON_FINITE exactly for rows with a NaN or an infinity anywhere."""
-    from qwen3_scratch.sampling.logits import NON_FINITE, greedy
+@pytest.mark.parametrize("vocab", [1000, 1024, 151936])  # 1000: torch's argmax; multiples of 128: by blocks
+def test_greedy_draw_equals_argmax_of_the_widened_logits_with_the_isfinite_check(vocab):
+    """sampling.logits.greedy reads the row fewer times than `isfinite(...).all()` + argmax, and on a CPU finds
+    the argmax by blocks of ids; same ids, first index on ties (bf16 logits tie often, across blocks too),
+    NON_FINITE exactly for rows with a NaN or an infinity anywhere."""
+    from qwen3_scratch.sampling.logits import ARGMAX_BLOCK, NON_FINITE, argmax_by_blocks, greedy
 
-    logits = torch.randn(12, 1000, generator=torch.Generator().manual_seed(3)).mul(4).round().to(torch.bfloat16)
+    logits = torch.randn(14, vocab, generator=torch.Generator().manual_seed(3)).mul(4).round().to(torch.bfloat16)
     for row, (index, bad) in enumerate([(0, "nan"), (999, "inf"), (5, "-inf"), (500, "nan")], start=1):
         logits[row * 2, index] = float(bad)
     logits[11] = float("-inf")
+    logits[12] = 0.0  # every id ties: the first
+    logits[13, [vocab - 1, 130, 3]] = 100.0  # the largest in three blocks: the first of them
     reference = torch.where(torch.isfinite(logits).all(-1), logits.float().argmax(-1), NON_FINITE)
     assert torch.equal(greedy(logits), reference), f"greedy {greedy(logits).tolist()} != {reference.tolist()}"
+    assert greedy(logits)[13] == 3
+    if vocab % ARGMAX_BLOCK == 0:
+        wide = logits.float()
+        tokens, best = argmax_by_blocks(wide)
+        assert torch.equal(tokens, wide.argmax(-1)), "the argmax by blocks differs from torch's, NaN rows included"
+        torch.testing.assert_close(best, wide.amax(-1), rtol=0, atol=0, equal_nan=True,
+                                   msg="the largest value by blocks differs from amax")  # fmt: skip
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(

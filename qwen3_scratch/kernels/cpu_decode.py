@@ -309,15 +309,21 @@ class CPUDecoderLayer(DecoderLayer):
     """DecoderLayer with a fast path for one token of one row on a CPU (the class swapped in at load)."""
 
     def forward(self, x, cos, sin, mask=None, cache=None, cache_slots=None):
-        if x.shape[:2] != (1, 1) or cache is None or x.device.type != "cpu" or torch.compiler.is_compiling():
+        if x.shape[:2] != (1, 1) or cache is None or not x.is_cpu or torch.compiler.is_compiling():
             return super().forward(x, cos, sin, mask, cache, cache_slots)  # torch.compile traces the plain maths
+        step = self.__dict__.get("_step")
+        if step is not None:  # every step after the layer's first
+            return step(x, cos, sin, mask, cache, cache_slots)
         attn = self.self_attn
         halves = self.halves()
         if halves is not None:  # two kernels a layer around its attention
             first, first_weights, second, second_weights, shape = halves
             q, k, v = self.kernel(first, x, *first_weights, cos, sin, **shape)
             y = pick_attention(attn, q, mask)(attn, q, k, v, mask, cache, cache_slots)  # (1, 1, H*D)
-            return self.kernel(second, x, y, *second_weights, eps=shape["eps"])
+            x = self.kernel(second, x, y, *second_weights, eps=shape["eps"])
+            kernels = self.__dict__["_kernels"]
+            self.__dict__["_step"] = HalvesStep(attn, kernels[first], first_weights, kernels[second], second_weights)
+            return x
         # any other layer: its products as they are (tensor-parallel, a mixture of experts), the ops between them
         # as four kernels taking and giving rows in the activations' dtype
         mlp, eps = self.mlp, self.input_layernorm.eps
@@ -409,6 +415,23 @@ class CPUDecoderLayer(DecoderLayer):
         if compiled is None:
             compiled = kernels[fn] = kernel(fn, *args, **constants)
         return compiled(*[a.contiguous() for a in args])
+
+
+class HalvesStep:
+    """A layer's decode step as its two kernels around its attention, once the layer's first step has found them:
+    the kernels and the tensors they read in hand, so that a step calls them without the lookups of the first
+    (the kernels' dictionary, their argument lists, the shape constants: ~15 us a layer and step, 0.4 ms of an int4
+    step's Python; docs/performance.md). The attention is picked at every step, as pick_attention says."""
+
+    def __init__(self, attn, first, first_weights: tuple, second, second_weights: tuple):
+        self.attn, self.first, self.first_weights, self.second, self.second_weights = (
+            attn, first, first_weights, second, second_weights)  # fmt: skip
+
+    def __call__(self, x, cos, sin, mask, cache, cache_slots):
+        attn = self.attn
+        q, k, v = self.first(x.contiguous(), *self.first_weights, cos.contiguous(), sin.contiguous())
+        y = pick_attention(attn, q, mask)(attn, q, k, v, mask, cache, cache_slots)  # (1, 1, H*D)
+        return self.second(x.contiguous(), y.contiguous(), *self.second_weights)
 
 
 @torch.no_grad()
