@@ -13,6 +13,12 @@ that is not a weight read, two ways:
     PYTHONPATH=/other/checkout python scripts/bench/step_time.py   # another (alternate the two, compare medians)
 
 Prints one JSON line: median ms per step, median ms of the products alone, their difference.
+
+--python-only times the step with every stored kernel answering from memory (its outputs of the first step
+that called it with those shapes: no arithmetic), so what is left is the Python and the small ops between the
+kernels, free of the host's bandwidth swings (a change of 0.7 ms a step shows in every round, where whole steps
+of the same code vary by 3 ms). It needs the kernels stored (a CLI run first; not with QWEN3_SCRATCH_AOT=0):
+`stubbed_calls` says how many a step answered from memory.
 """
 
 import argparse
@@ -25,6 +31,7 @@ import torch
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.generation.loops import CachedLoop, PaddedBatch
 from qwen3_scratch.generation.stats import measure_bandwidth
+from qwen3_scratch.kernels.aot import PackagedKernel
 from qwen3_scratch.kernels.cpu_decode import CPUDecoderLayer
 from qwen3_scratch.kernels.int4 import Int4Linear
 from qwen3_scratch.kernels.matvec import MatvecLinear
@@ -58,6 +65,34 @@ def products_alone(model) -> float:
     return time.perf_counter() - start
 
 
+def python_only(model, steps: int, rounds: int) -> dict:
+    """Median ms of a step whose stored kernels answer from memory (--python-only), over `rounds` runs of
+    `steps` steps, and how many kernel calls a step that was."""
+    real, answers, calls = PackagedKernel.__call__, {}, [0]
+
+    def from_memory(kernel, *args):
+        calls[0] += 1
+        key = (id(kernel), *(a.shape for a in args))
+        if key not in answers:
+            answers[key] = real(kernel, *args)
+        return answers[key]
+
+    greedy, times = LogitsFilter(temperature=0.0), []
+    with torch.no_grad():
+        for _ in range(rounds):
+            loop = CachedLoop(model, PaddedBatch.left_pad([list(range(100, 116))], 0, "cpu"), steps + 4)
+            token = sample(loop.start(), greedy)
+            for _ in range(2):  # each kernel's first call computes, with the shapes every later step has
+                token = sample(loop.step(token), greedy)
+            PackagedKernel.__call__, calls[0] = from_memory, 0
+            start = time.perf_counter()
+            for _ in range(steps):
+                token = sample(loop.step(token), greedy)
+            times.append((time.perf_counter() - start) / steps)
+            PackagedKernel.__call__ = real
+    return dict(python_ms=round(statistics.median(times) * 1e3, 3), stubbed_calls=calls[0] // steps)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="weights/qwen3-0.6b-shapes")
@@ -65,9 +100,15 @@ def main():
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--quantize", choices=["int8", "int4"], default=None,
                         help="int8 or int4 (group 32) weights, bf16 activations")
+    parser.add_argument("--python-only", type=int, metavar="ROUNDS", default=0,
+                        help="time ROUNDS runs of steps whose stored kernels answer from memory (see above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.checkpoint, "cpu", torch.bfloat16, optimize="decode", quantize=args.quantize)
+    if args.python_only:
+        result = python_only(model, args.steps, args.python_only)
+        print(json.dumps(dict(threads=args.threads, quantize=args.quantize, **result)))
+        return
     loop = CachedLoop(model, PaddedBatch.left_pad([list(range(100, 116))], 0, "cpu"), args.steps + 8)
     greedy, steps, products = LogitsFilter(temperature=0.0), [], []
     with torch.no_grad():
