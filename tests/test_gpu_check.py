@@ -29,7 +29,7 @@ def dry_run(out: Path, weights: Path, *extra: str) -> tuple[dict, str]:
     return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
 
 
-pytestmark = pytest.mark.slow  # ~90 s on the shared 2-core Xeon: seven steps, each a fresh Python with torch
+pytestmark = pytest.mark.slow  # ~75 s on a 2-core AMD EPYC: nine steps, each a fresh Python, two at a time
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,9 @@ def smoke(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def failing(tmp_path_factory):
-    """An unknown size beside the tiny one, only their decode steps (--steps)."""
+    """An unknown size beside the tiny one, only their decode steps (--steps), side by side (--jobs)."""
     return dry_run(tmp_path_factory.mktemp("gpu_check_fail"), tmp_path_factory.mktemp("weights_fail"), "--device",
-                   "cpu", "--new-tokens", "4", "--sizes", "tiny,9B", "--steps", "decode tiny,decode 9B")  # fmt: skip
+                   "cpu", "--new-tokens", "4", "--sizes", "tiny,9B", "--steps", "decode tiny,decode 9B", "--jobs", "2")  # fmt: skip
 
 
 def test_the_unmeasured_come_first_and_every_step_runs_under_a_limit(smoke):
@@ -50,7 +50,7 @@ def test_the_unmeasured_come_first_and_every_step_runs_under_a_limit(smoke):
                                      "profile bf16 tiny", "profile quantized tiny", "transformers tiny",
                                      "load benchmark", "cuda tests"]  # fmt: skip
     for name, step in report["steps"].items():
-        assert "skipped" in step or 0 < step["limit_s"] <= 60, f"{name} ran without its smoke limit"
+        assert "skipped" in step or 0 < step["limit_s"] <= 90, f"{name} ran without its smoke limit"
         assert "skipped" in step or step["returncode"] == 0, f"{name} failed: {step.get('output_tail')}"
     assert report["steps"]["cuda tests"] == {"skipped": "no CUDA device (a CPU run)"}
 
