@@ -202,14 +202,24 @@ def test_the_cache_key_follows_shapes_dtype_torch_version_and_the_machine(kernel
     assert moved.parent != folder.parent and moved != folder, "another torch version would reuse this one's kernels"
 
 
+@pytest.fixture(scope="module")
+def packaged_matvec(tmp_path_factory) -> Path:
+    """A small kernel's entry, packaged once for the tests below (~10 s: AOTInductor compiles it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(aot.CACHE_ENV, str(tmp_path_factory.mktemp("packaged") / "cache"))
+        key = aot.kernel_key(matvec.matvec, [torch.empty(1, 64), torch.empty(32, 64)], {})
+        assert aot_build.build(key), "the package differs from inductor's kernel"
+        return aot.entry_folder(key)
+
+
 @pytest.fixture
-def one_stored_kernel(kernel_cache):
-    """A small kernel packaged into the test's cache: (function, arguments, its entry folder)."""
+def one_stored_kernel(kernel_cache, packaged_matvec):
+    """That kernel's entry in the test's cache, loaded once: (arguments, its entry folder)."""
     args = [torch.randn(1, 64), torch.randn(32, 64)]
-    key = aot.kernel_key(matvec.matvec, args, {})
-    assert aot_build.build(key), "the package differs from inductor's kernel"
+    folder = aot.entry_folder(aot.kernel_key(matvec.matvec, args, {}))
+    shutil.copytree(packaged_matvec, folder)
     assert isinstance(aot.load(matvec.matvec, args, {}), aot.PackagedKernel)
-    return args, aot.entry_folder(key)
+    return args, folder
 
 
 def test_a_corrupt_package_is_deleted_not_loaded(one_stored_kernel):
