@@ -114,17 +114,6 @@ def test_int4_halves_package_bit_for_bit_and_give_the_same_tokens(tmp_path, kern
     assert loaded == built_now, f"int4 tokens from stored kernels {loaded} differ from freshly built ones {built_now}"
 
 
-def test_a_build_process_that_dies_stores_no_entry_and_the_builder_goes_on(kernel_cache):
-    """A build's process that dies (a crash, the OOM killer) leaves no entry behind: which kernel killed it is not
-    known, and an unverified entry would keep the kernel compiled at every start. A later start hands it over again."""
-    dynamic = {"shapes": [["R", 8], [4, 8]], "examples": "crashing_build:exit_now",
-               "reference": "crashing_build:exit_now", "sizes": [{"R": 1}], "inductor": {}}  # fmt: skip
-    dies = aot.kernel_key(matvec.matvec, [torch.empty(1, 8), torch.empty(4, 8)], {}, dynamic)
-    ((key, result),) = list(aot_build.build_each([dies], jobs=2))
-    assert key == dies and result.startswith("not built: BrokenProcessPool"), result
-    assert not (aot.entry_folder(dies) / aot.ENTRY).exists(), "a kernel whose build died was stored"
-
-
 # The engine's greedy tokens for two prompts, in a process of its own or here; and which compiler modules it imported.
 ENGINE_RUN = """import sys
 from qwen3_scratch.engine.llm import LLM
