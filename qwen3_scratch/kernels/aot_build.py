@@ -225,9 +225,9 @@ def build_each(keys: list[dict], jobs: int | None = None) -> Iterator[tuple[dict
             key = futures[future]
             try:
                 yield key, future.result()
-            except Exception as error:  # a process died (killed, or a crash in a package's check): no entry is
-                # written, since which kernel did it is not known; a later start hands the kernels over again
-                yield key, f"not built: {type(error).__name__}: {error}"
+            except Exception as error:  # the process died (a crash in a package's check): the others go on
+                write_entry(aot.entry_folder(key), {"key": key, "verified": False, "error": str(error)[:500]})
+                yield key, f"failed: {type(error).__name__}: {error}"
 
 
 def main(argv=None) -> int:
