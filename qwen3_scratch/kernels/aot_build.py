@@ -7,10 +7,6 @@ Each kernel is exported (torch.export) and compiled by AOTInductor into one .pt2
 against the inductor kernel of the same function: equal bits on random inputs, or the entry is stored
 as unverified and never loaded. Files are written beside their final names and renamed into place,
 entry.json last, so a reader sees a whole entry or none.
-
-A build is one thread throughout (inductor's code generation in Python, then g++ on the wrapper: ~7 s of every
-package however small), so the builder builds one kernel a core at a time (`build_each`, at most MAX_JOBS), each in
-a process of its own, all of them in the builder's session and at its low share of the CPU.
 """
 
 import importlib
@@ -20,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,7 +23,6 @@ import torch
 from . import aot
 
 LOG = "build.log"
-MAX_JOBS = 4  # kernels built at a time, whatever the cores: each build holds the compiler (~0.5-1 GB)
 # The builder waits for the process that started it to exit (its parent changes), before it imports torch:
 # built alongside, it slowed that process's first token by ~2 s (+6%) on 2 cores, and its decode too.
 # It runs in a session of its own (the terminal's Ctrl-C and hangup do not reach it), and Linux gives each session
@@ -192,44 +186,6 @@ def as_tuple(x):
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
 
 
-def outcome(key: dict) -> str:
-    """Build one kernel: "verified", "UNVERIFIED" (stored, never loaded) or "failed: ..." (stored as unverified:
-    later starts use inductor, without retrying)."""
-    try:
-        return "verified" if build(key) else "UNVERIFIED"
-    except Exception as error:
-        write_entry(aot.entry_folder(key), {"key": key, "verified": False, "error": str(error)[:500]})
-        return f"failed: {type(error).__name__}: {error}"
-
-
-def default_jobs(count: int) -> int:
-    """Kernels built at a time: one a core this process may run on, at most MAX_JOBS and `count`."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(count, cores, MAX_JOBS))
-
-
-def build_each(keys: list[dict], jobs: int | None = None) -> Iterator[tuple[dict, str]]:
-    """Build these kernels, `jobs` at a time (default_jobs), each in a process of its own when more than one:
-    yields (key, its outcome) as each ends. The processes are spawned (a fresh interpreter: no thread pool or
-    compiler state copied from this one) and inherit this one's session, nice value and environment."""
-    jobs = jobs or default_jobs(len(keys))
-    if jobs == 1:
-        yield from ((key, outcome(key)) for key in keys)
-        return
-    import multiprocessing  # here: a command imports this module at its exit, for start_background_build
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(outcome, key): key for key in keys}
-        for future in as_completed(futures):
-            key = futures[future]
-            try:
-                yield key, future.result()
-            except Exception as error:  # the process died (a crash in a package's check): the others go on
-                write_entry(aot.entry_folder(key), {"key": key, "verified": False, "error": str(error)[:500]})
-                yield key, f"failed: {type(error).__name__}: {error}"
-
-
 def main(argv=None) -> int:
     import fcntl
 
@@ -241,7 +197,12 @@ def main(argv=None) -> int:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return 0  # another builder is at work; what it leaves out, a later start hands over again
-        missing = [key for key in keys if not (aot.entry_folder(key) / aot.ENTRY).exists()]
-        for key, result in build_each(missing):
-            print(f"{key['function']} {key['args']}: {result}", flush=True)
+        for key in keys:
+            if (aot.entry_folder(key) / aot.ENTRY).exists():
+                continue
+            try:
+                print(f"{key['function']} {key['args']}: {'verified' if build(key) else 'UNVERIFIED'}", flush=True)
+            except Exception as error:  # stored as unverified: later starts use inductor, without retrying
+                print(f"{key['function']} {key['args']}: failed: {type(error).__name__}: {error}", flush=True)
+                write_entry(aot.entry_folder(key), {"key": key, "verified": False, "error": str(error)[:500]})
     return 0
