@@ -15,14 +15,20 @@ to two at step 20; tests/test_trained_fixture.py checks it wherever the suite ru
 wait does not change the model. A CPU with AMX (oneDNN's AMX kernels, whose split of a product between threads was
 not compared) trains on one thread throughout.
 
-    python tests/trained_fixture.py OUT     # what the session runs: the fixture's checkpoint in OUT
+A session whose training would read exactly what an earlier one on this machine read takes that one's checkpoint from
+the store (tests/trained_store.py) instead of training again.
+
+    python tests/trained_fixture.py OUT [--store]     # what the session runs: the fixture's checkpoint in OUT
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import trained_store
 
 # The fixture's recipe: the target's shapes (2 layers) and optimizers (Muon and AdamW) on a mix weighted to what
 # the tests check: column addition, unit conversion (the easy family) and calculator episodes. 1,000 steps, not
@@ -66,10 +72,18 @@ def lowest_priority() -> None:
 
 
 class BackgroundTraining:
-    """`python tests/trained_fixture.py out` at idle priority; `result()` waits for it and returns out."""
+    """The fixture's checkpoint in out: copied from the store when it holds one whose inputs are unchanged (with
+    `stored`), else `python tests/trained_fixture.py out` at idle priority, which stores what it trains; `result()`
+    waits for it and returns out."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, stored: bool = True):
         self.out, self.log = out, out.parent / "training.log"
+        self.process = None
+        found = trained_store.find() if stored and trained_store.enabled() else None
+        if found is not None:
+            shutil.copytree(found, out)
+            self.log.write_text(f"taken from the store: {found}\n")
+            return
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         # The child starts with SIGUSR1 blocked (a signal mask is inherited), until it has its handler: a wait
         # signalled in its first ~50 ms (`pytest tests/test_trained_tiny.py` waits at once) stays pending, where
@@ -77,12 +91,15 @@ class BackgroundTraining:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         try:
             with open(self.log, "wb") as log:
-                self.process = subprocess.Popen([sys.executable, __file__, str(out)], stdout=log,
+                self.process = subprocess.Popen([sys.executable, __file__, str(out), *(["--store"] if stored else [])],
+                                                stdout=log,
                                                 stderr=subprocess.STDOUT, env=env)  # fmt: skip
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def result(self) -> Path:
+        if self.process is None:
+            return self.out
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGUSR1)  # the session waits: the training may take the idle cores
         code = self.process.wait()
@@ -92,7 +109,7 @@ class BackgroundTraining:
         return self.out
 
     def stop(self) -> None:
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
 
@@ -124,5 +141,8 @@ def on_wait(signum, frame) -> None:
 if __name__ == "__main__":
     signal.signal(signal.SIGUSR1, remember_wait)  # until train() has torch to set the threads of
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # a wait signalled before now arrives here
+    opened = trained_store.record_opens() if "--store" in sys.argv else None
     lowest_priority()  # before torch starts its thread pools
-    train(Path(sys.argv[1]))
+    out = train(Path(sys.argv[1]))
+    if opened is not None:
+        trained_store.store(out, trained_store.inputs(opened, out))
