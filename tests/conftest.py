@@ -82,10 +82,37 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.path in late)  # stable
 
 
+def _controls_workers(config) -> bool:
+    """Whether this process is pytest-xdist's controller (`-n`): its workers collect and run the tests."""
+    return config.pluginmanager.hasplugin("dsession")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker a core, at most 4 (the tests that build kernels or serve take a core or two each)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist the controller trains the fixture once, before its workers start (xdist starts them in
+    its own sessionstart, which runs last), and hands it to them in the environment they inherit: each worker
+    would otherwise train its own (it collects every test). It runs whatever the workers' tests are (a run of a
+    few files waits for none of it; it is stopped with the session)."""
+    if _controls_workers(session.config) and not session.config.option.collectonly:
+        from trained_fixture import SHARED, BackgroundTraining
+
+        training = BackgroundTraining(Path(tempfile.mkdtemp(prefix="qwen3-trained-")) / "tiny-qwen3-trained")
+        session.config.stash[_TRAINING] = training
+        os.environ[SHARED] = training.handle()
+
+
 def pytest_collection_finish(session):
     if not session.config.option.collectonly and any(_needs_training(item) for item in session.items):
-        from trained_fixture import BackgroundTraining
+        from trained_fixture import SHARED, BackgroundTraining, SharedTraining
 
+        if SHARED in os.environ and hasattr(session.config, "workerinput"):  # a worker: its controller trains
+            session.config.stash[_TRAINING] = SharedTraining(os.environ[SHARED])
+            return
         folder = Path(tempfile.mkdtemp(prefix="qwen3-trained-"))
         session.config.stash[_TRAINING] = BackgroundTraining(folder / "tiny-qwen3-trained")
 
@@ -113,8 +140,10 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session):
+    from trained_fixture import BackgroundTraining
+
     training = session.config.stash.get(_TRAINING, None)
-    if training is not None:
+    if isinstance(training, BackgroundTraining):  # this process started it (a worker's is its controller's)
         training.stop()
         shutil.rmtree(training.out.parent, ignore_errors=True)
 

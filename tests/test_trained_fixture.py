@@ -154,3 +154,76 @@ print(json.dumps(trained_store.inputs(opened, pathlib.Path(sys.argv[2]))))
     assert any(Path(f).is_relative_to(trained_store.STDLIB) for f in read["files"]), "the corpus's sources"
     assert not any("site-packages" in f or ".egg-info" in f for f in read["files"]), "installs go by their versions"
     assert {"torch", "tokenizers", "safetensors"} <= read["distributions"].keys(), read["distributions"]
+
+
+def fake_training(tmp_path, body: str) -> subprocess.Popen:
+    """A process standing for the controller's training: it notes a SIGUSR1 in `told`, then runs body."""
+    script = f"""
+import pathlib, signal, sys, time
+here = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGUSR1, lambda *_: (here / "told").touch())
+print("ready", flush=True)
+{body}
+"""
+    process = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "ready"
+    return process
+
+
+def handle(tmp_path, pid) -> str:
+    return json.dumps({"out": str(tmp_path / "tiny-qwen3-trained"), "pid": pid})
+
+
+def test_a_worker_waits_for_the_controllers_training_and_tells_it_so(tmp_path):
+    process = fake_training(tmp_path, f"time.sleep(1); (here / {trained_fixture.DONE!r}).touch(); time.sleep(30)")
+    try:
+        out = trained_fixture.SharedTraining(handle(tmp_path, process.pid)).result()
+        assert out == tmp_path / "tiny-qwen3-trained" and (tmp_path / trained_fixture.DONE).exists()
+        assert (tmp_path / "told").exists(), "the waiting worker should let the training take the idle cores"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_worker_is_told_when_the_controllers_training_failed_or_died(tmp_path):
+    failed = fake_training(tmp_path, f"(here / {trained_fixture.FAILED!r}).write_text('RuntimeError: no disk')")
+    with pytest.raises(RuntimeError, match="no disk"):
+        trained_fixture.SharedTraining(handle(tmp_path, failed.pid)).result()
+    (tmp_path / trained_fixture.FAILED).unlink()
+    failed.wait()
+
+    killed = fake_training(tmp_path, "time.sleep(30)")
+    killed.kill()  # its parent has not waited for it yet: a zombie, ended
+    with pytest.raises(RuntimeError, match="ended without a checkpoint"):
+        trained_fixture.SharedTraining(handle(tmp_path, killed.pid)).result()
+    killed.wait()
+
+
+def test_under_xdist_the_controller_trains_once_and_hands_it_to_every_worker(tmp_path):
+    """`pytest -n 2` with this suite's conftest: the workers find the controller's one training in their
+    environment (each would otherwise start its own), a running trained_fixture.py process."""
+    (tmp_path / "test_two.py").write_text("""
+import json, os, pathlib, pytest
+
+@pytest.mark.parametrize("n", range(8))
+def test_handed(n):
+    handle = json.loads(os.environ["QWEN3_SCRATCH_FIXTURE_TRAINING"])
+    command = pathlib.Path(f"/proc/{handle['pid']}/cmdline").read_bytes().split(b"\\0")
+    assert command[1].endswith(b"trained_fixture.py"), command
+    (pathlib.Path(os.environ["SEEN"]) / f"{os.environ['PYTEST_XDIST_WORKER']}-{handle['pid']}").touch()
+""")
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    # nothing stored (a cache of the test's own): the controller starts a training
+    env = {**os.environ, "PYTHONPATH": str(trained_store.ROOT / "tests"), "SEEN": str(seen),
+           "QWEN3_SCRATCH_CACHE": str(tmp_path / "cache")}  # fmt: skip
+    env.pop(trained_fixture.SHARED, None)
+    command = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "load", "-p", "conftest", "-p", "no:cacheprovider",
+               "-q", str(tmp_path / "test_two.py")]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=env, check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    workers = {name.split("-")[0] for name in os.listdir(seen)}
+    trainings = {name.split("-")[1] for name in os.listdir(seen)}
+    assert workers == {"gw0", "gw1"} and len(trainings) == 1, sorted(os.listdir(seen))
+    (pid,) = trainings
+    assert not trained_fixture.alive(int(pid)), "the controller should stop its training when the session ends"

@@ -16,16 +16,20 @@ wait does not change the model. A CPU with AMX (oneDNN's AMX kernels, whose spli
 not compared) trains on one thread throughout.
 
 A session whose training would read exactly what an earlier one on this machine read takes that one's checkpoint from
-the store (tests/trained_store.py) instead of training again.
+the store (tests/trained_store.py) instead of training again. Under pytest-xdist the controller process trains (or
+takes the stored one) once, and each worker waits for it there (SharedTraining).
 
     python tests/trained_fixture.py OUT [--store]     # what the session runs: the fixture's checkpoint in OUT
 """
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import trained_store
@@ -83,6 +87,7 @@ class BackgroundTraining:
         if found is not None:
             shutil.copytree(found, out)
             self.log.write_text(f"taken from the store: {found}\n")
+            (out.parent / DONE).touch()
             return
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         # The child starts with SIGUSR1 blocked (a signal mask is inherited), until it has its handler: a wait
@@ -112,6 +117,56 @@ class BackgroundTraining:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+    def handle(self) -> str:
+        """What a pytest-xdist worker needs to wait for this training (SharedTraining), as one string."""
+        return json.dumps({"out": str(self.out), "pid": None if self.process is None else self.process.pid})
+
+
+DONE, FAILED = "trained", "failed"  # written beside out by the training process as it ends (and on a store's hit)
+SHARED = "QWEN3_SCRATCH_FIXTURE_TRAINING"  # the controller's BackgroundTraining.handle(), for its workers
+
+
+class SharedTraining:
+    """Another process's BackgroundTraining, waited for: under pytest-xdist the controller trains once (conftest.py)
+    and every worker that reads the model waits here. The training process says how it ended in a file beside
+    out (DONE, or FAILED with its error); one that ends without either (killed) is an error too."""
+
+    def __init__(self, handle: str):
+        fields = json.loads(handle)
+        self.out, self.pid = Path(fields["out"]), fields["pid"]
+        self.log = self.out.parent / "training.log"
+
+    def result(self) -> Path:
+        if self.pid is not None and alive(self.pid):
+            os.kill(self.pid, signal.SIGUSR1)  # a worker waits: the training may take the idle cores
+        while not (self.out.parent / DONE).exists():
+            failed = self.out.parent / FAILED
+            if failed.exists():
+                raise RuntimeError(f"training the fixture's model failed:\n{failed.read_text(errors='replace')}")
+            if self.pid is None or not alive(self.pid):
+                if (self.out.parent / DONE).exists():
+                    break
+                raise RuntimeError(f"training the fixture's model ended without a checkpoint: see {self.log}")
+            time.sleep(0.2)
+        return self.out
+
+    def stop(self) -> None:  # the controller, which started it, stops it
+        pass
+
+
+def alive(pid: int) -> bool:
+    """Whether process pid runs (a zombie, ended and not yet waited for by its parent, does not)."""
+    if Path("/proc/self/stat").exists():
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    try:  # no /proc: whether a signal can reach it
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def switches_threads() -> bool:
@@ -143,6 +198,12 @@ if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # a wait signalled before now arrives here
     opened = trained_store.record_opens() if "--store" in sys.argv else None
     lowest_priority()  # before torch starts its thread pools
-    out = train(Path(sys.argv[1]))
-    if opened is not None:
-        trained_store.store(out, trained_store.inputs(opened, out))
+    out = Path(sys.argv[1])
+    try:
+        train(out)
+        if opened is not None:
+            trained_store.store(out, trained_store.inputs(opened, out))
+    except BaseException:
+        (out.parent / FAILED).write_text(traceback.format_exc()[-3000:])
+        raise
+    (out.parent / DONE).touch()
