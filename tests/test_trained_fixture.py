@@ -218,6 +218,7 @@ def test_handed(n):
     env = {**os.environ, "PYTHONPATH": str(trained_store.ROOT / "tests"), "SEEN": str(seen),
            "QWEN3_SCRATCH_CACHE": str(tmp_path / "cache")}  # fmt: skip
     env.pop(trained_fixture.SHARED, None)
+    env.pop("PYTEST_ADDOPTS", None)  # the outer session's options (its plugins) are not the inner one's
     command = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "load", "-p", "conftest", "-p", "no:cacheprovider",
                "-q", str(tmp_path / "test_two.py")]  # fmt: skip
     done = subprocess.run(command, cwd=tmp_path, env=env, check=False, capture_output=True, text=True, timeout=300)
