@@ -87,7 +87,7 @@ def _controls_workers(config) -> bool:
     return config.pluginmanager.hasplugin("dsession")
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest-xdist may not be installed (the GPU machine)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker a core, at most 4 (the tests that build kernels or serve take a core or two each), and
     one core left to the fixture's training when it must train (nothing stored for it: trained_store.py). The

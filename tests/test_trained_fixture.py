@@ -228,3 +228,14 @@ def test_handed(n):
     assert workers == {"gw0", "gw1"} and len(trainings) == 1, sorted(os.listdir(seen))
     (pid,) = trainings
     assert not trained_fixture.alive(int(pid)), "the controller should stop its training when the session ends"
+
+
+def test_the_suites_conftest_loads_without_pytest_xdist():
+    """The GPU machine has no pytest-xdist (gpu_check.py runs `pytest -o addopts= -m cuda` there): the conftest's
+    xdist hook must be optional, or pytest refuses the conftest before running a test."""
+    command = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-o", "addopts=", "-p", "no:cacheprovider", "-q",
+               f"{__file__}::test_a_stored_checkpoint_is_taken_only_while_what_its_training_read_is_unchanged"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    done = subprocess.run(command, cwd=trained_store.ROOT, env=env, check=False, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
