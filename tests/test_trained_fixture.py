@@ -77,6 +77,7 @@ def stored(tmp_path, monkeypatch):
     """A fake checkpoint stored under the inputs of a training that read one file of a repository (a folder of the
     test's, so that the test can change it) and imported torch."""
     monkeypatch.setenv("QWEN3_SCRATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("QWEN3_SCRATCH_TRAIN_FIXTURE", raising=False)  # a session told to train: not these tests
     monkeypatch.setattr(trained_store, "ROOT", tmp_path / "repository")
     source = tmp_path / "repository" / "recipe.py"
     source.parent.mkdir()
@@ -95,7 +96,11 @@ def test_a_stored_checkpoint_is_taken_only_while_what_its_training_read_is_uncha
     found = trained_store.find()
     assert found == entry / "checkpoint" and (found / "model.safetensors").read_bytes() == b"weights"
     training = trained_fixture.BackgroundTraining(tmp_path / "tiny-qwen3-trained")
-    assert training.process is None and (training.result() / "model.safetensors").read_bytes() == b"weights"
+    try:
+        assert training.process is None, "a stored checkpoint should be taken, not trained again"
+        assert (training.result() / "model.safetensors").read_bytes() == b"weights"
+    finally:
+        training.stop()
 
     source.write_text("STEPS = 600\n")  # the recipe changed: train again
     assert trained_store.find() is None
