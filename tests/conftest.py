@@ -89,16 +89,16 @@ def _controls_workers(config) -> bool:
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest-xdist may not be installed (the GPU machine)
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker a core, at most 4 (the tests that build kernels or serve take a core or two each), and
-    one core left to the fixture's training when it must train (nothing stored for it: trained_store.py). The
-    training runs at idle priority on what the workers leave, so with a worker on every core it starved (a step
-    4 s instead of ~0.7 on a 2-core AMD EPYC) and the session waited for it at the end: there the suite took
-    ~816 s serially with a training to do, 578 s on two workers with the training stored (docs/performance.md)."""
+    """`-n auto`: a worker a core, at most 4 (the tests that build kernels or serve take a core or two each), when
+    the fixture is stored (trained_store.py); none (the session runs its tests itself, serially) when it must train.
+    On a 2-core AMD EPYC with a training to do: serially 816 s; two workers 1,118 s (the training, at idle priority,
+    starved beside them); one worker, the controller training, ~1,300 s (not understood). Stored: two workers
+    578-609 s against 767 serially (docs/performance.md)."""
     import trained_store
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     trains = not trained_store.enabled() or trained_store.find() is None
-    return max(1, min(4, cores - 1 if trains else cores))
+    return 0 if trains else max(1, min(4, cores))
 
 
 def pytest_sessionstart(session):
