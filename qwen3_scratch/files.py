@@ -7,6 +7,7 @@ that are not UTF-8, JSON that is invalid or nested deeply enough to exhaust Pyth
 """
 
 import json
+import os
 from pathlib import Path
 
 from qwen3_scratch.errors import CheckpointError, printable
@@ -15,6 +16,13 @@ from qwen3_scratch.errors import CheckpointError, printable
 # model's index (~100 KB); anything near this bound is not what its name says.
 MAX_SMALL_FILE_BYTES = 64 * 1024 * 1024
 REDOWNLOAD = "download the checkpoint again"
+CACHE_ENV = "QWEN3_SCRATCH_CACHE"  # the folder of what is built once per machine (default ~/.cache/qwen3-scratch)
+
+
+def cache_home() -> Path:
+    """Where what a start builds once is kept for the next: stored CPU kernels (kernels/aot.py), tokenizer tables
+    (text/bpe.py)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qwen3-scratch")
 
 
 def read_text(path, error=CheckpointError, hint: str = REDOWNLOAD) -> str:

@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-CACHE_ENV = "QWEN3_SCRATCH_CACHE"  # the cache's root folder (default ~/.cache/qwen3-scratch)
+from qwen3_scratch.files import CACHE_ENV, cache_home  # noqa: F401  (CACHE_ENV: the tests move the cache with it)
+
 FORMAT = 1  # bumped when entry.json or the package layout changes
 PACKAGE, ENTRY = "kernel.pt2", "entry.json"
 
@@ -75,7 +76,7 @@ def enabled() -> bool:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qwen3-scratch") / "aot"
+    return cache_home() / "aot"
 
 
 @functools.cache
