@@ -28,6 +28,8 @@ def _byte_of_char() -> dict[str, int]:
 
 def vocab_bytes(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
     """The bytes of every id below vocab_size (the model's rows); ids the tokenizer lacks get b""."""
+    if tokenizer.bpe is not None:  # the table holds them already (bpe.py), by the same rule
+        return [tokenizer.bpe.token_bytes(i) for i in range(vocab_size)]
     table = _byte_of_char()
     added = {i: t.content.encode() for i, t in tokenizer.backend.get_added_tokens_decoder().items()}
     out = [b""] * vocab_size
@@ -42,6 +44,8 @@ def vocab_bytes(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
 
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
     """One token's bytes (see vocab_bytes)."""
+    if tokenizer.bpe is not None:
+        return tokenizer.bpe.token_bytes(token_id)
     added = tokenizer.backend.get_added_tokens_decoder().get(token_id)
     if added is not None:
         return added.content.encode()

@@ -1,25 +1,32 @@
 """Text <-> token ids for a checkpoint, and text streamed one token at a time.
 
-The BPE itself is the `tokenizers` library reading the checkpoint's `tokenizer.json`: the same Rust
-code `transformers` runs, so ids match it exactly. This module adds what lives in the other files:
-which tokens are end-of-sequence and padding (`tokenizer_config.json`), the chat template
-(`tokenizer_config.json`, or `chat_template.jinja` in newer checkpoints), and streaming decode.
+The BPE is Qwen's byte-level BPE, run two ways with the same ids: by `bpe.py` from a table stored once per
+tokenizer.json (a later start loads it in ~30 ms, where the `tokenizers` library builds its BPE from the file in
+~0.5 s), and by `tokenizers`, the Rust code `transformers` runs, for any tokenizer.json or text `bpe.py` does not
+cover (loaded when first needed). This module adds what lives in the other files: which tokens are end-of-sequence
+and padding (`tokenizer_config.json`), the chat template (`tokenizer_config.json`, or `chat_template.jinja` in newer
+checkpoints), and streaming decode.
 """
 
+import hashlib
+import json
 import re
 import secrets
+import threading
 from pathlib import Path
 
 import tokenizers
 
 from qwen3_scratch.errors import CheckpointError, ConfigError, printable
-from qwen3_scratch.files import read_json, read_text
+from qwen3_scratch.files import cache_home, read_json, read_text
 
+from .bpe import ByteLevelBPE
 from .chat_template import render_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
+TABLES_KEPT = 8  # tokenizer tables in the cache; the least recently used goes first
 
 
 class Tokenizer:
@@ -27,13 +34,20 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: tokenizers.Tokenizer,
+        backend: tokenizers.Tokenizer | None,
         config: dict,
         chat_template: str | None = None,
         template_source: str = CONFIG_FILE,
+        bpe: ByteLevelBPE | None = None,
+        file: Path | None = None,
     ):
-        """backend: the BPE; config: tokenizer_config.json's contents; template_source: for errors."""
-        self.backend = backend
+        """backend: `tokenizers`' BPE (None: read from `file` when first needed); config: tokenizer_config.json's
+        contents; template_source: for errors; bpe: the same BPE run by bpe.py, used wherever it applies."""
+        if backend is None and file is None:
+            raise ValueError("a Tokenizer needs a tokenizers backend or the tokenizer.json to read one from")
+        self._backend = backend
+        self._backend_lock = threading.Lock()
+        self.bpe = bpe
         self.eos_token = _token_text(config.get("eos_token"))
         self.pad_token = _token_text(config.get("pad_token"))
         self.bos_token = _token_text(config.get("bos_token"))  # null for Qwen3
@@ -41,29 +55,41 @@ class Tokenizer:
         self._chat_template = chat_template
         self._template_source = template_source
         self._text_only_backend: tokenizers.Tokenizer | None = None  # see encode(split_special_tokens=True)
-        self._file: Path | None = None  # the tokenizer.json it was read from, if any (see _ids_below)
+        self._file = file  # the tokenizer.json it was read from, if any (see _ids_below)
 
     @classmethod
     def from_checkpoint(cls, path) -> "Tokenizer":
         """Load `tokenizer.json`, `tokenizer_config.json` and the chat template from a checkpoint folder."""
         folder = Path(path)
-        backend = _load_backend(folder / TOKENIZER_FILE)
+        file = folder / TOKENIZER_FILE
+        bpe = _load_table(file)
+        backend = None if bpe is not None else _load_backend(file)
         config = read_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
         _check_config_types(config, folder / CONFIG_FILE)
-        _check_added_tokens(backend, config, folder / CONFIG_FILE)
         # transformers lets a separate chat_template.jinja win over the config's copy; so do we.
         if (folder / TEMPLATE_FILE).exists():
-            tokenizer = cls(backend, config, read_text(folder / TEMPLATE_FILE), printable(folder / TEMPLATE_FILE))
+            template, source = read_text(folder / TEMPLATE_FILE), printable(folder / TEMPLATE_FILE)
         else:
-            template = _default_template(config.get("chat_template"))
-            tokenizer = cls(backend, config, template, f"{printable(folder / CONFIG_FILE)} (chat_template)")
-        tokenizer._file = folder / TOKENIZER_FILE
+            template, source = _default_template(config.get("chat_template")), f"{printable(folder / CONFIG_FILE)} (chat_template)"
+        tokenizer = cls(backend, config, template, source, bpe=bpe, file=file)
+        _check_added_tokens(tokenizer, config, folder / CONFIG_FILE)
         return tokenizer
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """`tokenizers`' BPE of the same file: read at the first call when the table stood in for it at the start."""
+        if self._backend is None:
+            with self._backend_lock:
+                if self._backend is None:
+                    self._backend = _load_backend(self._file)
+        return self._backend
 
     def encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Control tokens written in the text (e.g. <|im_start|>) become their ids,
         unless split_special_tokens: then they are encoded as the text they are (transformers' flag of
         that name), which is what text typed by a user must get."""
+        if self.bpe is not None and self.bpe.encodes(text):
+            return self.bpe.encode(text, split_special_tokens)
         backend = self._text_only() if split_special_tokens else self.backend
         return backend.encode(text, add_special_tokens=False).ids
 
@@ -80,16 +106,21 @@ class Tokenizer:
     def special_tokens(self) -> dict[str, int]:
         """The control tokens (<|im_start|>, <|im_end|>, <|endoftext|>, ...) by text: the added tokens
         marked special. <think> and <tool_call> are plain added tokens, markup inside a turn."""
+        if self.bpe is not None:
+            return {content: token_id for content, token_id, special in self.bpe.added if special}
         added = self.backend.get_added_tokens_decoder()
         return {token.content: token_id for token_id, token in added.items() if token.special}
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of `ids`; skip_special_tokens drops <|im_end|> and friends (not <think>, which is not special)."""
         # int() so a list of 0-d tensors, or a 1-d tensor, works as well as a list of ints.
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if self.bpe is not None:
+            return self.bpe.decode(ids, skip_special_tokens)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
+        return self.bpe.token_to_id(token) if self.bpe is not None else self.backend.token_to_id(token)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -105,7 +136,7 @@ class Tokenizer:
 
         The model's embedding usually has more rows (Qwen3: 151669 tokens, 151936 rows).
         """
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        return self.bpe.vocab_size if self.bpe is not None else self.backend.get_vocab_size(with_added_tokens=True)
 
     def check_fits_model(self, vocab_size: int, folder) -> None:
         """Refuse a tokenizer that can produce ids the model has no embedding row for.
@@ -115,7 +146,9 @@ class Tokenizer:
         """
         folder = Path(folder)
         largest = -1
-        if not self._ids_below(vocab_size):  # not known from the file's text: list the vocabulary
+        if self.bpe is not None:
+            largest = self.bpe.max_id
+        elif not self._ids_below(vocab_size):  # not known from the file's text: list the vocabulary
             largest = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
         if largest >= vocab_size:
             raise CheckpointError(
@@ -295,15 +328,49 @@ class StreamingDetokenizer:
 
 
 def _load_backend(path: Path) -> tokenizers.Tokenizer:
-    if not path.exists():
-        raise CheckpointError(f"{printable(path)}: not found; a checkpoint folder needs its {TOKENIZER_FILE} "
-                              "(download the full repo, not only the weights)")
-    read_text(path)  # a directory, an oversized file or bytes that are not UTF-8 get our own one-line error
+    _read_tokenizer_json(path)  # a missing file, a directory, an oversized file or bytes that are not UTF-8: our own line
     try:
         return tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # the Rust parser raises a bare Exception
         reason = printable(" ".join(str(error).split()))
         raise CheckpointError(f"{printable(path)}: cannot be read as a tokenizer ({reason}); download it again") from error
+
+
+def _read_tokenizer_json(path: Path) -> bytes:
+    if not path.exists():
+        raise CheckpointError(f"{printable(path)}: not found; a checkpoint folder needs its {TOKENIZER_FILE} "
+                              "(download the full repo, not only the weights)")
+    return read_text(path).encode()
+
+
+def _load_table(path: Path) -> ByteLevelBPE | None:
+    """bpe.py's BPE for the tokenizer.json at `path`: its table from the cache, else built from the file and stored
+    for the next start; None when the file is not the kind bpe.py runs (or not valid JSON: `tokenizers` says why)."""
+    data = _read_tokenizer_json(path)
+    digest = hashlib.sha256(data).hexdigest()
+    tables = cache_home() / "tokenizers"
+    table = tables / f"{digest}.bpe"
+    bpe = ByteLevelBPE.load(table, digest)
+    if bpe is not None:
+        try:
+            table.touch()  # recently used: kept
+        except OSError:
+            pass
+        return bpe
+    try:
+        parsed = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    bpe = ByteLevelBPE.from_json(parsed) if isinstance(parsed, dict) else None
+    if bpe is None:
+        return None
+    try:
+        bpe.save(table, digest)
+        for old in sorted(tables.glob("*.bpe"), key=lambda f: f.stat().st_mtime, reverse=True)[TABLES_KEPT:]:
+            old.unlink(missing_ok=True)
+    except OSError:  # a cache that cannot be written: the next start builds it again
+        pass
+    return bpe
 
 
 # tokenizer_config.json fields we read, and what each may hold. A token is its text, or a
@@ -335,7 +402,7 @@ def _check_config_types(config: dict, path: Path) -> None:
         refuse("chat_template", 'text, or a list of {"name": ..., "template": ...}')
 
 
-def _check_added_tokens(backend: tokenizers.Tokenizer, config: dict, path: Path) -> None:
+def _check_added_tokens(tokenizer: Tokenizer, config: dict, path: Path) -> None:
     """The ids in `added_tokens_decoder` must be the ids tokenizer.json gives those tokens.
 
     A mismatch means the two files come from different checkpoints; generation would then stop
@@ -343,7 +410,7 @@ def _check_added_tokens(backend: tokenizers.Tokenizer, config: dict, path: Path)
     """
     for id_text, token in config.get("added_tokens_decoder", {}).items():
         content = _token_text(token)
-        actual = backend.token_to_id(content)
+        actual = tokenizer.token_to_id(content)
         if actual != int(id_text):
             raise CheckpointError(f"{printable(path)}: added token {printable(repr(content), 80)} has id {id_text} "
                                   f"but {TOKENIZER_FILE} gives {actual}; the two files are from different checkpoints")
