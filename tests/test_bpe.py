@@ -312,3 +312,11 @@ def test_each_tokens_bytes_are_what_the_backend_gives(real_vocab_folder, cache):
     assert vocab_bytes(ours, 151936) == vocab_bytes(theirs, 151936)
     for token_id in (0, 198, 9707, 151643, 151667, 151669, 151935, 10**6):
         assert token_bytes(ours, token_id) == token_bytes(theirs, token_id), token_id
+
+
+def test_the_vocabulary_from_the_table_is_tokenizers(real_vocab_folder, cache):
+    """What a draft model's check compares (generation/draft_model.py, engine/draft_proposer.py)."""
+    ours = Tokenizer.from_checkpoint(real_vocab_folder)
+    assert ours.bpe is not None
+    assert ours.vocab() == tokenizers.Tokenizer.from_file(str(real_vocab_folder / "tokenizer.json")).get_vocab(True)
+    assert ours._backend is None, "listing the vocabulary needs no tokenizers object"

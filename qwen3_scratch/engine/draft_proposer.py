@@ -151,7 +151,7 @@ def load_draft(model: str, target: Qwen3, tokenizer: Tokenizer | None, *, weight
     except Qwen3Error as error:
         raise cannot_load(model, error) from None
     if tokenizer is not None:
-        ours, theirs = (t.backend.get_vocab(with_added_tokens=True) for t in (tokenizer, draft_tokenizer))
+        ours, theirs = (t.vocab() for t in (tokenizer, draft_tokenizer))
         if ours != theirs:
             raise CheckpointError(f"speculative_config.model: {printable(folder / 'tokenizer.json')} ({len(theirs)} "
                                   f"tokens) is not the target's vocabulary ({len(ours)} tokens); a draft model must "

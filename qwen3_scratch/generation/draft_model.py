@@ -73,7 +73,7 @@ def check_draft_checkpoint(target_folder, target_tokenizer: Tokenizer, draft_fol
     or whose logits have another width, before either is loaded; the line names both files."""
     target_folder, draft_folder = Path(target_folder), Path(draft_folder)
     draft_tokenizer = Tokenizer.from_checkpoint(draft_folder)
-    ours, theirs = (t.backend.get_vocab(with_added_tokens=True) for t in (target_tokenizer, draft_tokenizer))
+    ours, theirs = (t.vocab() for t in (target_tokenizer, draft_tokenizer))
     if ours != theirs:
         raise CheckpointError(f"--draft-model: {printable(draft_folder / 'tokenizer.json')} ({len(theirs)} tokens) "
                               f"is not the vocabulary of {printable(target_folder / 'tokenizer.json')} "

@@ -119,6 +119,12 @@ class Tokenizer:
             return self.bpe.decode(ids, skip_special_tokens)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's text -> id, added tokens included (`tokenizers`' get_vocab(with_added_tokens=True))."""
+        if self.bpe is not None:
+            return {**dict(zip(self.bpe.keys, self.bpe.key_ids)), **{content: i for content, i, _ in self.bpe.added}}
+        return self.backend.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         return self.bpe.token_to_id(token) if self.bpe is not None else self.backend.token_to_id(token)
 
