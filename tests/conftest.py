@@ -19,6 +19,11 @@ for folder in (ROOT / "tests", *SCRIPT_FOLDERS):
 # background builds (kernels/aot.py); tests/test_aot_kernels.py turns it on, with a cache of its own.
 os.environ.setdefault("QWEN3_SCRATCH_AOT", "0")
 
+# Tokenizers from `tokenizers` in every test, as at a first start: no table read from the user's cache or stored
+# there by the CLIs the tests run (text/bpe.py). tests/test_bpe.py turns tables on with a cache of its own, and the
+# tokenizer fixtures below run on a table.
+os.environ.setdefault("QWEN3_SCRATCH_BPE_TABLES", "0")
+
 # int4 in torch's packing unless a test asks for the words layout (kernels/int4.py; QWEN3_SCRATCH_INT4_LAYOUT=words):
 # on an AVX2 CPU the words are the default, and every tiny model's shapes and row blocks would be compiled anew
 # (the suite took 22 minutes instead of 14 on an AMD EPYC Zen 3). The tests that name the words run them anywhere.
@@ -48,10 +53,10 @@ def real_vocab_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_vocab_tokenizer(real_vocab_folder):
-    """Our Tokenizer on Qwen3's real vocabulary."""
-    from qwen3_scratch.text.tokenizer import Tokenizer
+    """Our Tokenizer on Qwen3's real vocabulary, on text/bpe.py's table (test_bpe.py holds it to `tokenizers`)."""
+    from tables import with_table
 
-    return Tokenizer.from_checkpoint(real_vocab_folder)
+    return with_table(real_vocab_folder)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,13 @@ tokenizer.json and every text the table does not cover.
 """
 
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import tokenizers
@@ -20,8 +25,8 @@ from make_tiny_checkpoint import make_tiny_checkpoint
 from qwen3_scratch.files import CACHE_ENV
 from qwen3_scratch.text import bpe as bpe_module
 from qwen3_scratch.text import tokenizer as tokenizer_module
-from qwen3_scratch.text.bpe import ByteLevelBPE
-from qwen3_scratch.text.tokenizer import TABLES_KEPT, Tokenizer
+from qwen3_scratch.text.bpe import TABLES_KEPT, ByteLevelBPE
+from qwen3_scratch.text.tokenizer import Tokenizer
 
 # Pieces the random texts are made of: the pattern's edge cases (contractions in any case, digits, runs of
 # whitespace of every kind, line breaks), letters and marks of several scripts, characters that NFC composes,
@@ -36,6 +41,7 @@ PIECES = [
     "😀", "👍🏽", "👨‍👩‍👧", "\U0001fae0", "\u0378", "\U000e0001", "\ue000",
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "<|im_start", "|>",
 ]  # fmt: skip
+ROOT = Path(__file__).resolve().parents[1]
 TEXTS = st.one_of(st.lists(st.sampled_from(PIECES), max_size=30).map("".join), st.text(max_size=30))
 EXAMPLES = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -69,8 +75,18 @@ def tiny(tiny_folder):
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """Tables on (the suite turns them off), in a cache of this test's own."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(bpe_module.ENV, "1")
     return tmp_path / "cache" / "tokenizers"
+
+
+def stored(folder) -> Tokenizer:
+    """A first start's tokenizer, its table then stored as the process it leaves behind would."""
+    first = Tokenizer.from_checkpoint(folder)
+    assert first.bpe is None and first._backend is not None, "a first start reads tokenizer.json with tokenizers"
+    assert first.store_table(background=False)
+    return Tokenizer.from_checkpoint(folder)
 
 
 @pytest.mark.parametrize("which", ["real", "tiny"])
@@ -194,15 +210,17 @@ def test_a_tokenizer_json_it_does_not_run_is_left_to_tokenizers(tiny_folder, tmp
     except Exception:  # a variant tokenizers refuses too (a merge of a token past the vocabulary, ...)
         return
     tokenizer = Tokenizer.from_checkpoint(folder)
-    assert tokenizer.bpe is None and not cache.exists()
+    assert not tokenizer.store_table(background=False)
+    assert Tokenizer.from_checkpoint(folder).bpe is None and not list(cache.glob("*.bpe"))
     text = "Hello world, it's 42<|im_end|>"
     assert tokenizer.encode(text) == their_ids(theirs, text, False)
 
 
 def test_a_later_start_reads_the_table_not_tokenizer_json(real_vocab_folder, cache, monkeypatch):
     first = Tokenizer.from_checkpoint(real_vocab_folder)
-    assert first.bpe is not None and first._backend is None, "the first start builds the table; tokenizers waits"
-    assert len(list(cache.glob("*.bpe"))) == 1
+    assert first.bpe is None, "no table before one is stored"
+    assert first.store_table(background=False) and len(list(cache.glob("*.bpe"))) == 1
+    assert not Tokenizer.from_checkpoint(real_vocab_folder).store_table(background=False), "stored already"
 
     def refuse(*args):
         raise AssertionError("a later start must not parse tokenizer.json")
@@ -210,14 +228,22 @@ def test_a_later_start_reads_the_table_not_tokenizer_json(real_vocab_folder, cac
     monkeypatch.setattr(tokenizers.Tokenizer, "from_file", refuse)
     monkeypatch.setattr(bpe_module.ByteLevelBPE, "from_json", refuse)
     later = Tokenizer.from_checkpoint(real_vocab_folder)
+    assert later.bpe is not None and later._backend is None
     text = "<|im_start|>user\nWhat's 2+2? 你好<|im_end|>\n"
     assert later.encode(text) == first.encode(text) == [151644, 872, 198, 3838, 594, 220, 17, 10, 17, 30, 220, 108386,
                                                         151645, 198]  # fmt: skip
     assert later.decode(later.encode(text)) == text and later.eos_token_id == 151645 and later.vocab_size == 151669
 
 
+def test_tables_turned_off_are_neither_read_nor_stored(tiny_folder, cache, monkeypatch):
+    assert stored(tiny_folder).bpe is not None
+    monkeypatch.setenv(bpe_module.ENV, "0")
+    off = Tokenizer.from_checkpoint(tiny_folder)
+    assert off.bpe is None and not off.store_table(background=True)
+
+
 def test_text_the_table_does_not_cover_reads_tokenizers_when_first_needed(real_vocab_folder, real, cache):
-    tokenizer = Tokenizer.from_checkpoint(real_vocab_folder)
+    tokenizer = stored(real_vocab_folder)
     assert tokenizer._backend is None
     _, theirs = real
     for text in ["plain", "an emoji 😀 <|im_end|>", "'ſ"]:
@@ -227,15 +253,16 @@ def test_text_the_table_does_not_cover_reads_tokenizers_when_first_needed(real_v
 
 
 def test_a_table_whose_bytes_changed_is_deleted_and_built_again(real_vocab_folder, cache):
-    Tokenizer.from_checkpoint(real_vocab_folder)
+    stored(real_vocab_folder)
     (table,) = cache.glob("*.bpe")
     data = bytearray(table.read_bytes())
     data[len(data) // 2] ^= 1
     table.write_bytes(bytes(data))
     digest = table.stem
     assert ByteLevelBPE.load(table, digest) is None and not table.exists()
-    again = Tokenizer.from_checkpoint(real_vocab_folder)
-    assert table.exists() and ByteLevelBPE.load(table, digest) is not None
+    assert Tokenizer.from_checkpoint(real_vocab_folder).bpe is None, "read as a first start again"
+    again = stored(real_vocab_folder)
+    assert table.exists() and again.bpe is not None
     assert again.encode("Hello, world!") == [9707, 11, 1879, 0]
 
 
@@ -253,7 +280,7 @@ def test_tables_follow_the_file_and_the_cache_keeps_the_last_few(tiny_folder, tm
         body = swapped if k % 2 else data
         (folder / "tokenizer.json").write_text(json.dumps(body, indent=k), encoding="utf-8")
         folders.append(folder)
-        tokenizer = Tokenizer.from_checkpoint(folder)
+        tokenizer = stored(folder)
         theirs = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         assert tokenizer.bpe is not None and tokenizer.encode(word) == their_ids(theirs, word, False)
     assert len(list(cache.glob("*.bpe"))) == TABLES_KEPT
@@ -263,7 +290,9 @@ def test_an_unwritable_cache_still_starts(tiny_folder, tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))  # a folder below a file: nothing can be written
+    monkeypatch.setenv(bpe_module.ENV, "1")
     tokenizer = Tokenizer.from_checkpoint(tiny_folder)
+    assert not tokenizer.store_table(background=False) and not tokenizer.store_table(background=True)
     theirs = tokenizers.Tokenizer.from_file(str(tiny_folder / "tokenizer.json"))
     assert tokenizer.encode("Hello world") == their_ids(theirs, "Hello world", False)
 
@@ -273,7 +302,7 @@ def test_the_tokenizer_module_keeps_its_refusals(tmp_path, cache):
     (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {', encoding="utf-8")
     with pytest.raises(tokenizer_module.CheckpointError, match="cannot be read as a tokenizer"):
         Tokenizer.from_checkpoint(tmp_path)
-    assert not cache.exists()
+    assert bpe_module.store(tmp_path / "tokenizer.json") is None and not cache.exists()
 
 
 def test_a_pair_merges_only_where_its_merge_cuts_it(tmp_path):
@@ -306,7 +335,7 @@ def test_each_tokens_bytes_are_what_the_backend_gives(real_vocab_folder, cache):
     `tokenizers`' vocabulary, for every id of Qwen3's embedding."""
     from qwen3_scratch.text.token_bytes import token_bytes, vocab_bytes
 
-    ours = Tokenizer.from_checkpoint(real_vocab_folder)
+    ours = stored(real_vocab_folder)
     theirs = Tokenizer(tokenizers.Tokenizer.from_file(str(real_vocab_folder / "tokenizer.json")), {})
     assert ours.bpe is not None and theirs.bpe is None
     assert vocab_bytes(ours, 151936) == vocab_bytes(theirs, 151936)
@@ -316,7 +345,33 @@ def test_each_tokens_bytes_are_what_the_backend_gives(real_vocab_folder, cache):
 
 def test_the_vocabulary_from_the_table_is_tokenizers(real_vocab_folder, cache):
     """What a draft model's check compares (generation/draft_model.py, engine/draft_proposer.py)."""
-    ours = Tokenizer.from_checkpoint(real_vocab_folder)
+    ours = stored(real_vocab_folder)
     assert ours.bpe is not None
     assert ours.vocab() == tokenizers.Tokenizer.from_file(str(real_vocab_folder / "tokenizer.json")).get_vocab(True)
     assert ours._backend is None, "listing the vocabulary needs no tokenizers object"
+
+
+def test_a_cli_start_stores_the_table_once_it_has_exited(tiny_folder, cache, tmp_path):
+    """qwen3-generate's first start reads tokenizer.json with tokenizers and leaves the table to a process that runs
+    after it exits; the next start reads the table."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "qwen3_scratch.generate", "--model", str(tiny_folder), "--prompt", "Hi",
+               "--max-new-tokens", "2", "--temperature", "0"]  # fmt: skip
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "storing the tokenizer's table in the background" in first.stderr
+    deadline = time.monotonic() + 120
+    while not list(cache.glob("*.bpe")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(list(cache.glob("*.bpe"))) == 1, (cache / "build.log").read_text() if (cache / "build.log").exists() else ""
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and "storing the tokenizer" not in second.stderr, second.stderr
+    assert second.stdout == first.stdout, "the same tokens whichever way the BPE was read"
+    assert Tokenizer.from_checkpoint(tiny_folder).bpe is not None
+
+
+def test_the_command_stores_tables_now(tiny_folder, tmp_path, cache):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}", encoding="utf-8")
+    assert bpe_module.main([str(tiny_folder)]) == 0 and len(list(cache.glob("*.bpe"))) == 1
+    assert bpe_module.main([str(bad)]) == 1

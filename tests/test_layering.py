@@ -1,6 +1,7 @@
 """The package's layers, kept: every import read with `ast`, no layer importing one above it, no circles.
 
-The layers, lowest first (README and docs/layout.md draw them): the package root (errors.py, files.py), model/,
+The layers, lowest first (README and docs/layout.md draw them): the package root (errors.py, files.py,
+after_exit.py), model/,
 kernels/, checkpoint/, parallel/, text/ and sampling/, generation/ and engine/ (siblings), server/, cli/, and the
 entry points (generate.py, chat.py, serve.py at the root, which only hand over to cli/). A module may
 import its own layer and the layers ALLOWED lists for it. Imports inside functions count too: a lazy
@@ -78,7 +79,7 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("errors", "files"):
+    if len(parts) == 1 or parts[1] in ("errors", "files", "after_exit"):
         return "root"
     if len(parts) == 2 and parts[1] in ENTRY_POINTS:
         return "entry"

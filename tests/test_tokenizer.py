@@ -5,6 +5,7 @@ import json
 import pytest
 import transformers
 from make_tiny_checkpoint import SPECIAL_TOKENS, THINK_TOKENS, make_tiny_checkpoint
+from tables import with_table
 
 from qwen3_scratch.errors import CheckpointError
 from qwen3_scratch.text.tokenizer import StreamingDetokenizer, Tokenizer
@@ -28,9 +29,10 @@ def checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return Tokenizer.from_checkpoint(checkpoint)
+@pytest.fixture(scope="module", params=["tokenizers", "table"])
+def tokenizer(checkpoint, request):
+    """Both ways a start gets the BPE: `tokenizers` parsing tokenizer.json, and text/bpe.py's table."""
+    return Tokenizer.from_checkpoint(checkpoint) if request.param == "tokenizers" else with_table(checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -283,6 +283,7 @@ def run(args) -> None:
     from qwen3_scratch.kernels.aot_build import start_background_build
 
     start_background_build()  # the kernels inductor built while loading, packaged for later starts
+    pipe.tokenizer.store_table()  # bpe.py's table of tokenizer.json, if it has none: later starts skip the parse
     atexit.register(start_background_build)  # and those the first prompt of a size built (int4.py's blocks)
     session = ChatSession(pipe, params, args.system, args.thinking, args.hide_thinking, tools)
     interactive = sys.stdin.isatty()

@@ -100,6 +100,7 @@ def serve(args: argparse.Namespace) -> int:
         llm, engine = start_where_loaded(lambda: load(args), request_timeout=args.request_timeout,
                                          step_timeout=args.step_timeout)  # fmt: skip
     name = args.served_model_name or args.model
+    llm.tokenizer.store_table()  # bpe.py's table of tokenizer.json, if it has none: stored once the server exits
     if llm.is_embedding_model:  # Qwen3-Embedding: /v1/embeddings only, no engine thread, no KV pool
         print("embedding checkpoint: serving /v1/embeddings", file=sys.stderr)
         app = build_app(None, llm.tokenizer, name, None, api_key=args.api_key, embedder=llm.embedder,

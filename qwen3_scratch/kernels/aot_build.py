@@ -11,37 +11,17 @@ entry.json last, so a reader sees a whole entry or none.
 
 import importlib
 import json
-import os
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from qwen3_scratch import after_exit
+
 from . import aot
 
 LOG = "build.log"
-# The builder waits for the process that started it to exit (its parent changes), before it imports torch:
-# built alongside, it slowed that process's first token by ~2 s (+6%) on 2 cores, and its decode too.
-# It runs in a session of its own (the terminal's Ctrl-C and hangup do not reach it), and Linux gives each session
-# an autogroup that shares the CPU with the others as an equal, whatever the nice values of the processes inside
-# (CONFIG_SCHED_AUTOGROUP: on in Ubuntu, Fedora and this project's machines). At nice 19 alone, a busy process so
-# started took a core from the user's next command and its two decode threads waited on each other: a 0.6B int8
-# decode ran 0.24 tok/s instead of 13.87 (AMD EPYC Zen 3). So the builder lowers its autogroup's nice too (any
-# process may lower its own): 13.07 tok/s beside it (docs/performance.md).
-AFTER_EXIT = """import os, sys, time
-try:
-    with open("/proc/self/autogroup", "w") as group:  # this session's share of the CPU, as low as it goes
-        group.write("19")
-except OSError:  # not Linux, or no autogroups: nice 19 is all there is
-    pass
-while os.getppid() == int(sys.argv[1]):
-    time.sleep(0.5)
-from qwen3_scratch.kernels.aot_build import main
-sys.exit(main(sys.argv[2:]))
-"""
 
 
 def start_background_build() -> bool:
@@ -54,10 +34,7 @@ def start_background_build() -> bool:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", suffix=".json", dir=root, delete=False) as specs:
             json.dump(list(aot.PENDING.values()), specs)
-        with open(root / LOG, "a") as log:
-            nice = ["nice", "-n", "19"] if shutil.which("nice") else []  # from its first instruction: the user's tokens come first
-            subprocess.Popen([*nice, sys.executable, "-c", AFTER_EXIT, str(os.getpid()), specs.name],
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+        after_exit.start("qwen3_scratch.kernels.aot_build", [specs.name], root / LOG)  # niced, once this process exits
     except OSError:  # a cache folder that cannot be written (a read-only home): every start compiles, as before
         aot.PENDING.clear()
         return False

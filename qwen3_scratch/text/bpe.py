@@ -1,8 +1,8 @@
 """Qwen's byte-level BPE in Python, read from a table stored once per tokenizer.json: a start without the parse.
 
-`tokenizers` builds its BPE from tokenizer.json at every start: ~0.45-0.6 s of a 2-3 s second start on a 2-core
+`tokenizers` builds its BPE from tokenizer.json at every start: ~0.5-0.65 s of a 2.5-3.5 s second start on a 2-core
 AMD EPYC, its vocabulary and merges made into Rust maps (docs/performance.md). This file runs the same pipeline for
-the one kind of tokenizer.json Qwen2 and Qwen3 ship, from a table that loads in ~30 ms:
+the one kind of tokenizer.json Qwen2 and Qwen3 ship, from a table that loads in ~30-50 ms:
 
     text -> cut at added tokens (<|im_start|>, <think>, ...; the longest at the leftmost place)
          -> each piece between them NFC-normalized -> split by Qwen's pattern -> each part's UTF-8 bytes written
@@ -16,23 +16,30 @@ may differ between the two regular-expression engines (the `regex` module here, 
 characters assigned after Unicode 3.2, or whose category changed since, and the few that case-fold into the
 pattern's letters. The caller encodes such text with `tokenizers`. tests/test_bpe.py holds both to `tokenizers`.
 
-The table (`save`/`load`) holds the vocabulary sorted, for `bisect`, rather than as a dict: Python builds a
-151k-entry dict in ~80-100 ms; a sorted list of the same strings unpickles in ~30. A pair (a, b) is a merge when
-a + b is a token whose one merge cut it at len(a).
+The table is built from the file (~1 s of Python) by a process a CLI leaves to run after it exits
+(`store_in_background`), so a first start pays none of it, and kept in the cache folder under the file's SHA-256.
+It holds the vocabulary sorted, for `bisect`, rather than as a dict: Python builds a 151k-entry dict in ~80-100 ms;
+a sorted list of the same strings unmarshals in ~30. A pair (a, b) is a merge when a + b is a token whose one merge
+cut it at len(a).
 """
 
 import bisect
 import hashlib
 import heapq
 import itertools
+import json
 import marshal
 import operator
 import os
+import sys
 import unicodedata
 from array import array
 from pathlib import Path
 
 import regex
+
+from qwen3_scratch import after_exit
+from qwen3_scratch.files import cache_home
 
 FORMAT = 1  # bumped whenever the table's contents or their meaning change
 # The one pre-tokenizer pattern this file runs: Qwen2's and Qwen3's (tiktoken's cl100k pattern, digits one by one).
@@ -40,6 +47,7 @@ QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+TABLES_KEPT = 8  # tables in the cache (~6 MB for Qwen3's vocabulary); the least recently used goes first
 _CACHED_WORDS = 16384  # words whose ids are kept (HF keeps 10,000); the cache is emptied when full
 
 
@@ -335,3 +343,82 @@ def _supported(data: dict) -> bool:
         # ids about as many as the tokens (Qwen3's are 0 .. 151668): the table has a slot for every id up to the largest
         and max([*model["vocab"].values(), *(t["id"] for t in added)], default=0) < 2 * (len(model["vocab"]) + len(added)) + 1024
     )  # fmt: skip
+
+
+# --- the cache: a table per tokenizer.json, built once after the first start ---------------------------------------
+
+
+ENV = "QWEN3_SCRATCH_BPE_TABLES"  # 0: tables neither read nor stored, `tokenizers` at every start (the test suite's)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def table_path(digest: str) -> Path:
+    return cache_home() / "tokenizers" / f"{digest}.bpe"
+
+
+def load_stored(data: bytes) -> tuple["ByteLevelBPE | None", str]:
+    """(the table stored for the tokenizer.json whose bytes are `data`, or None; the file's SHA-256)."""
+    digest = hashlib.sha256(data).hexdigest()
+    if not enabled():
+        return None, digest
+    table = table_path(digest)
+    bpe = ByteLevelBPE.load(table, digest)
+    if bpe is not None:
+        try:
+            os.utime(table)  # recently used: kept
+        except OSError:
+            pass
+    return bpe, digest
+
+
+def store(file: Path) -> "ByteLevelBPE | None":
+    """Build and store the table of the tokenizer.json `file`; None (nothing stored) when it is not the kind this
+    file runs, not JSON, or the cache cannot be written."""
+    try:
+        data = Path(file).read_bytes()
+        parsed = json.loads(data)
+    except (OSError, ValueError, RecursionError):
+        return None
+    bpe = ByteLevelBPE.from_json(parsed) if isinstance(parsed, dict) else None
+    if bpe is None:
+        return None
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        bpe.save(table_path(digest), digest)
+        tables = sorted(table_path(digest).parent.glob("*.bpe"), key=lambda f: f.stat().st_mtime, reverse=True)
+        for old in tables[TABLES_KEPT:]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        return None
+    return bpe
+
+
+def store_in_background(file: Path) -> bool:
+    """Store the table of `file` in a niced process once this one has exited (after_exit.py): a first start pays
+    none of it. True if that process was started (a line on stderr says so)."""
+    if not enabled():
+        return False
+    log = cache_home() / "tokenizers" / "build.log"
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        after_exit.start("qwen3_scratch.text.bpe", [str(Path(file).resolve())], log)
+    except OSError:  # a cache folder that cannot be written: every start parses tokenizer.json, as before
+        return False
+    print(f"[storing the tokenizer's table in the background, once per tokenizer.json; later starts read it instead "
+          f"of parsing {Path(file).name}: {log.parent}]", file=sys.stderr)  # fmt: skip
+    return True
+
+
+def main(paths: list[str]) -> int:
+    """Store the table of each checkpoint folder or tokenizer.json in `paths` (what store_in_background runs); 1 if
+    any has none."""
+    status = 0
+    for path in map(Path, paths):
+        file = path / "tokenizer.json" if path.is_dir() else path
+        bpe = store(file)
+        print(f"{file}: {'table stored' if bpe is not None else 'no table (tokenizers reads this file at every start)'}")
+        status |= bpe is None
+    return status

@@ -8,8 +8,6 @@ and padding (`tokenizer_config.json`), the chat template (`tokenizer_config.json
 checkpoints), and streaming decode.
 """
 
-import hashlib
-import json
 import re
 import secrets
 import threading
@@ -18,15 +16,15 @@ from pathlib import Path
 import tokenizers
 
 from qwen3_scratch.errors import CheckpointError, ConfigError, printable
-from qwen3_scratch.files import cache_home, read_json, read_text
+from qwen3_scratch.files import read_json, read_text
 
+from . import bpe as bpe_tables
 from .bpe import ByteLevelBPE
 from .chat_template import render_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
-TABLES_KEPT = 8  # tokenizer tables in the cache; the least recently used goes first
 
 
 class Tokenizer:
@@ -62,7 +60,7 @@ class Tokenizer:
         """Load `tokenizer.json`, `tokenizer_config.json` and the chat template from a checkpoint folder."""
         folder = Path(path)
         file = folder / TOKENIZER_FILE
-        bpe = _load_table(file)
+        bpe, _ = bpe_tables.load_stored(_read_tokenizer_json(file))
         backend = None if bpe is not None else _load_backend(file)
         config = read_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
         _check_config_types(config, folder / CONFIG_FILE)
@@ -83,6 +81,16 @@ class Tokenizer:
                 if self._backend is None:
                     self._backend = _load_backend(self._file)
         return self._backend
+
+    def store_table(self, background: bool = True) -> bool:
+        """Store bpe.py's table of this tokenizer.json for later starts, if it has none and is the kind bpe.py runs:
+        in a process that runs once this one has exited (background, the CLIs), or now. True if one was started or
+        stored."""
+        if self.bpe is not None or self._file is None:
+            return False
+        if background:
+            return bpe_tables.store_in_background(self._file)
+        return bpe_tables.store(self._file) is not None
 
     def encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Control tokens written in the text (e.g. <|im_start|>) become their ids,
@@ -347,36 +355,6 @@ def _read_tokenizer_json(path: Path) -> bytes:
         raise CheckpointError(f"{printable(path)}: not found; a checkpoint folder needs its {TOKENIZER_FILE} "
                               "(download the full repo, not only the weights)")
     return read_text(path).encode()
-
-
-def _load_table(path: Path) -> ByteLevelBPE | None:
-    """bpe.py's BPE for the tokenizer.json at `path`: its table from the cache, else built from the file and stored
-    for the next start; None when the file is not the kind bpe.py runs (or not valid JSON: `tokenizers` says why)."""
-    data = _read_tokenizer_json(path)
-    digest = hashlib.sha256(data).hexdigest()
-    tables = cache_home() / "tokenizers"
-    table = tables / f"{digest}.bpe"
-    bpe = ByteLevelBPE.load(table, digest)
-    if bpe is not None:
-        try:
-            table.touch()  # recently used: kept
-        except OSError:
-            pass
-        return bpe
-    try:
-        parsed = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    bpe = ByteLevelBPE.from_json(parsed) if isinstance(parsed, dict) else None
-    if bpe is None:
-        return None
-    try:
-        bpe.save(table, digest)
-        for old in sorted(tables.glob("*.bpe"), key=lambda f: f.stat().st_mtime, reverse=True)[TABLES_KEPT:]:
-            old.unlink(missing_ok=True)
-    except OSError:  # a cache that cannot be written: the next start builds it again
-        pass
-    return bpe
 
 
 # tokenizer_config.json fields we read, and what each may hold. A token is its text, or a
