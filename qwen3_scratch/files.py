@@ -25,8 +25,8 @@ def cache_home() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qwen3-scratch")
 
 
-def read_text(path, error=CheckpointError, hint: str = REDOWNLOAD) -> str:
-    """The file's text, strictly UTF-8; `error` (a Qwen3Error class) with `hint` appended otherwise."""
+def read_bytes(path, error=CheckpointError, hint: str = REDOWNLOAD) -> bytes:
+    """The file's bytes, at most MAX_SMALL_FILE_BYTES; `error` (a Qwen3Error class) with `hint` appended otherwise."""
     path = Path(path)
     where = printable(path)
     if path.is_dir():
@@ -34,9 +34,16 @@ def read_text(path, error=CheckpointError, hint: str = REDOWNLOAD) -> str:
     try:
         if path.stat().st_size > MAX_SMALL_FILE_BYTES:
             raise error(f"{where} is {path.stat().st_size:,} bytes, too large to be this file; {hint}")
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
         raise error(f"{where}: cannot read ({e.strerror}); check the path and permissions") from e
+
+
+def read_text(path, error=CheckpointError, hint: str = REDOWNLOAD) -> str:
+    """The file's text, strictly UTF-8; `error` (a Qwen3Error class) with `hint` appended otherwise."""
+    path = Path(path)
+    where = printable(path)
+    data = read_bytes(path, error, hint)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

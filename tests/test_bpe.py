@@ -375,3 +375,13 @@ def test_the_command_stores_tables_now(tiny_folder, tmp_path, cache):
     bad.write_text("{}", encoding="utf-8")
     assert bpe_module.main([str(tiny_folder)]) == 0 and len(list(cache.glob("*.bpe"))) == 1
     assert bpe_module.main([str(bad)]) == 1
+
+
+def test_a_tokenizer_json_that_is_not_utf8_gets_no_table(tiny_folder, tmp_path, cache):
+    """json.loads reads UTF-16 bytes too; Tokenizer refuses them (not UTF-8), so the table must not stand in."""
+    folder = tmp_path / "utf16"
+    shutil.copytree(tiny_folder, folder)
+    (folder / "tokenizer.json").write_bytes((tiny_folder / "tokenizer.json").read_text(encoding="utf-8").encode("utf-16"))
+    assert bpe_module.store(folder / "tokenizer.json") is None
+    with pytest.raises(tokenizer_module.CheckpointError, match="not UTF-8"):
+        Tokenizer.from_checkpoint(folder)

@@ -379,8 +379,8 @@ def store(file: Path) -> "ByteLevelBPE | None":
     file runs, not JSON, or the cache cannot be written."""
     try:
         data = Path(file).read_bytes()
-        parsed = json.loads(data)
-    except (OSError, ValueError, RecursionError):
+        parsed = json.loads(data.decode("utf-8"))  # strictly UTF-8, as Tokenizer reads it (json.loads(bytes) is not)
+    except (OSError, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
     bpe = ByteLevelBPE.from_json(parsed) if isinstance(parsed, dict) else None
     if bpe is None:

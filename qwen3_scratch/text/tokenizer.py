@@ -16,7 +16,7 @@ from pathlib import Path
 import tokenizers
 
 from qwen3_scratch.errors import CheckpointError, ConfigError, printable
-from qwen3_scratch.files import read_json, read_text
+from qwen3_scratch.files import read_bytes, read_json, read_text
 
 from . import bpe as bpe_tables
 from .bpe import ByteLevelBPE
@@ -342,7 +342,8 @@ class StreamingDetokenizer:
 
 
 def _load_backend(path: Path) -> tokenizers.Tokenizer:
-    _read_tokenizer_json(path)  # a missing file, a directory, an oversized file or bytes that are not UTF-8: our own line
+    _refuse_missing(path)
+    read_text(path)  # a directory, an oversized file or bytes that are not UTF-8: our own line
     try:
         return tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # the Rust parser raises a bare Exception
@@ -350,11 +351,15 @@ def _load_backend(path: Path) -> tokenizers.Tokenizer:
         raise CheckpointError(f"{printable(path)}: cannot be read as a tokenizer ({reason}); download it again") from error
 
 
-def _read_tokenizer_json(path: Path) -> bytes:
+def _refuse_missing(path: Path) -> None:
     if not path.exists():
         raise CheckpointError(f"{printable(path)}: not found; a checkpoint folder needs its {TOKENIZER_FILE} "
                               "(download the full repo, not only the weights)")
-    return read_text(path).encode()
+
+
+def _read_tokenizer_json(path: Path) -> bytes:
+    _refuse_missing(path)
+    return read_bytes(path)  # its text is checked by whatever reads it: a table only exists for UTF-8 JSON
 
 
 # tokenizer_config.json fields we read, and what each may hold. A token is its text, or a

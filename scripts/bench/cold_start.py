@@ -60,6 +60,22 @@ def wait_for_builder(cache: str) -> None:
             fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while the builder runs
 
 
+def wait_for_tables(limit: float = 120.0) -> None:
+    """Until no process left by a start is storing a tokenizer's table (text/bpe.py: it runs once that start has
+    exited), so that no timed start reads tokenizer.json while the table is on its way."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        storing = False
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                storing |= b"qwen3_scratch.text.bpe" in cmdline.read_bytes()
+            except OSError:
+                pass
+        if not storing:
+            return
+        time.sleep(0.5)
+
+
 def user_environment(**extra: str) -> dict:
     """This process's environment for a timed start, less PYTHONDONTWRITEBYTECODE: a user's Python writes each
     module's bytecode at its first import and reads it at every later start, where a machine that sets the variable
@@ -116,8 +132,8 @@ def timed_warm(name: str, args: list[str], root: Path) -> float:
 
 
 def store_every_kernel(commands: dict, trees: dict) -> None:
-    """Each command of each checkout started once, untimed, then the builder waited for, until a pass stores no new
-    kernel: what is missing is built now, not during the timed rounds (a builder that finds another at work leaves its
+    """Each command of each checkout started once, untimed, then the builder (and the tokenizer's table) waited for,
+    until a pass stores no new kernel: what is missing is built now, not during the timed rounds (a builder that finds another at work leaves its
     kernels to a later start, so one pass can leave some)."""
     from qwen3_scratch.kernels import aot
 
@@ -130,6 +146,7 @@ def store_every_kernel(commands: dict, trees: dict) -> None:
             for name, args in commands.items():
                 timed_warm(name, args, tree)
         wait_for_builder(str(aot.cache_root().parent))  # the folder the commands store their kernels in
+        wait_for_tables()
         if stored() == before:
             return
 
@@ -186,6 +203,7 @@ def main(argv=None) -> None:
                 runs["llama.cpp"].append(timed(theirs))
             runs[names[0]].append(timed(ours, env))
             wait_for_builder(cache)  # it would share the cores with the next run
+            wait_for_tables()
             runs[names[1]].append(timed(ours, {**env, "QWEN3_SCRATCH_AOT": "0"}))  # the second start before issue 30
             runs[names[2]].append(timed(ours, env))
         print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in runs.items()), flush=True)
