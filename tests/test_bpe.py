@@ -51,13 +51,17 @@ def their_ids(backend: tokenizers.Tokenizer, text: str, split_special_tokens: bo
     return backend.encode(text, add_special_tokens=False).ids
 
 
+def ours_and_theirs(folder):
+    """(the table built from the folder's tokenizer.json, `tokenizers` reading the same file)."""
+    ours = ByteLevelBPE.from_json(json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")))
+    assert ours is not None, f"{folder}: a tokenizer.json of the kind bpe.py runs"
+    return ours, tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
 @pytest.fixture(scope="module")
 def real(real_vocab_folder):
-    """(ours, theirs) on Qwen3's real vocabulary: the table built from the file, and `tokenizers` reading it."""
-    data = json.loads((real_vocab_folder / "tokenizer.json").read_text(encoding="utf-8"))
-    ours = ByteLevelBPE.from_json(data)
-    assert ours is not None, "Qwen3's tokenizer.json is the kind bpe.py runs"
-    return ours, tokenizers.Tokenizer.from_file(str(real_vocab_folder / "tokenizer.json"))
+    """On Qwen3's real vocabulary."""
+    return ours_and_theirs(real_vocab_folder)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +71,8 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_folder):
-    data = json.loads((tiny_folder / "tokenizer.json").read_text(encoding="utf-8"))
-    ours = ByteLevelBPE.from_json(data)
-    assert ours is not None, "the tiny checkpoint's trained tokenizer.json is the kind bpe.py runs"
-    return ours, tokenizers.Tokenizer.from_file(str(tiny_folder / "tokenizer.json"))
+    """On the tiny checkpoint's trained vocabulary."""
+    return ours_and_theirs(tiny_folder)
 
 
 @pytest.fixture
