@@ -387,3 +387,18 @@ def test_a_tokenizer_json_that_is_not_utf8_gets_no_table(tiny_folder, tmp_path, 
     assert bpe_module.store(folder / "tokenizer.json") is None
     with pytest.raises(tokenizer_module.CheckpointError, match="not UTF-8"):
         Tokenizer.from_checkpoint(folder)
+
+
+def test_a_tokenizer_json_changed_under_a_running_process_is_refused_not_mixed(tiny_folder, tmp_path, cache):
+    """The table stood in for the file at the start; text it does not cover reads `tokenizers` from the file later.
+    If the file has changed since, the two would be different tokenizers: refused in one line instead."""
+    folder = tmp_path / "changing"
+    shutil.copytree(tiny_folder, folder)
+    tokenizer = stored(folder)
+    assert tokenizer.bpe is not None and tokenizer._backend is None
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    (folder / "tokenizer.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    original = tokenizers.Tokenizer.from_file(str(tiny_folder / "tokenizer.json"))
+    assert tokenizer.encode("plain text") == their_ids(original, "plain text", False), "the table answers as before"
+    with pytest.raises(tokenizer_module.CheckpointError, match="changed since this tokenizer was loaded"):
+        tokenizer.encode("an emoji 😀")

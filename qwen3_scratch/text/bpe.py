@@ -62,7 +62,8 @@ _BYTE_CHARS = byte_chars()
 _BYTE_OF_CHAR = {c: b for b, c in enumerate(_BYTE_CHARS)}
 # For str.translate: each byte character to its byte's Latin-1 character, and every other character below U+0100
 # (those that byte-level BPE moved) to one Latin-1 cannot encode.
-_TO_LATIN1 = {**{ord(c): b for c, b in _BYTE_OF_CHAR.items()}, **{b: 0x10FFFF for b in range(256) if chr(b) not in _BYTE_OF_CHAR}}
+_TO_LATIN1 = {ord(c): b for c, b in _BYTE_OF_CHAR.items()}
+_TO_LATIN1.update({b: 0x10FFFF for b in range(256) if chr(b) not in _BYTE_OF_CHAR})
 
 
 def _token_bytes(token: str) -> bytes:
@@ -260,8 +261,10 @@ class ByteLevelBPE:
 
     def save(self, path: Path, source_digest: str) -> None:
         """Write the table for the tokenizer.json whose SHA-256 is source_digest: beside, then renamed into place."""
-        payload = marshal.dumps((FORMAT, source_digest, self.keys, self.key_ids.tobytes(), self.ranks.tobytes(),
-                                 self.cuts.tobytes(), self.blob, self.offsets.tobytes(), self.added, self.vocab_size))  # fmt: skip
+        arrays = (self.key_ids.tobytes(), self.ranks.tobytes(), self.cuts.tobytes())
+        fields = (FORMAT, source_digest, self.keys, *arrays, self.blob, self.offsets.tobytes(), self.added,
+                  self.vocab_size)
+        payload = marshal.dumps(fields)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         partial.write_bytes(hashlib.sha256(payload).digest() + payload)
@@ -341,7 +344,8 @@ def _supported(data: dict) -> bool:
         and len({t["content"] for t in added}) == len(added)
         and len({t["id"] for t in added} | set(model["vocab"].values())) == len(added) + len(model["vocab"])
         # ids about as many as the tokens (Qwen3's are 0 .. 151668): the table has a slot for every id up to the largest
-        and max([*model["vocab"].values(), *(t["id"] for t in added)], default=0) < 2 * (len(model["vocab"]) + len(added)) + 1024
+        and max([*model["vocab"].values(), *(t["id"] for t in added)], default=0)
+        < 2 * (len(model["vocab"]) + len(added)) + 1024
     )  # fmt: skip
 
 
@@ -359,19 +363,24 @@ def table_path(digest: str) -> Path:
     return cache_home() / "tokenizers" / f"{digest}.bpe"
 
 
+def digest(data: bytes) -> str:
+    """What a table is kept under: the SHA-256 of its tokenizer.json's bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def load_stored(data: bytes) -> tuple["ByteLevelBPE | None", str]:
     """(the table stored for the tokenizer.json whose bytes are `data`, or None; the file's SHA-256)."""
-    digest = hashlib.sha256(data).hexdigest()
+    key = digest(data)
     if not enabled():
-        return None, digest
-    table = table_path(digest)
-    bpe = ByteLevelBPE.load(table, digest)
+        return None, key
+    table = table_path(key)
+    bpe = ByteLevelBPE.load(table, key)
     if bpe is not None:
         try:
             os.utime(table)  # recently used: kept
         except OSError:
             pass
-    return bpe, digest
+    return bpe, key
 
 
 def store(file: Path) -> "ByteLevelBPE | None":
@@ -385,10 +394,10 @@ def store(file: Path) -> "ByteLevelBPE | None":
     bpe = ByteLevelBPE.from_json(parsed) if isinstance(parsed, dict) else None
     if bpe is None:
         return None
-    digest = hashlib.sha256(data).hexdigest()
+    key = digest(data)
     try:
-        bpe.save(table_path(digest), digest)
-        tables = sorted(table_path(digest).parent.glob("*.bpe"), key=lambda f: f.stat().st_mtime, reverse=True)
+        bpe.save(table_path(key), key)
+        tables = sorted(table_path(key).parent.glob("*.bpe"), key=lambda f: f.stat().st_mtime, reverse=True)
         for old in tables[TABLES_KEPT:]:
             old.unlink(missing_ok=True)
     except OSError:
@@ -419,6 +428,6 @@ def main(paths: list[str]) -> int:
     for path in map(Path, paths):
         file = path / "tokenizer.json" if path.is_dir() else path
         bpe = store(file)
-        print(f"{file}: {'table stored' if bpe is not None else 'no table (tokenizers reads this file at every start)'}")
+        print(f"{file}: " + ("table stored" if bpe is not None else "no table (tokenizers reads it at every start)"))
         status |= bpe is None
     return status

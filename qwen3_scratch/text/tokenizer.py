@@ -54,13 +54,14 @@ class Tokenizer:
         self._template_source = template_source
         self._text_only_backend: tokenizers.Tokenizer | None = None  # see encode(split_special_tokens=True)
         self._file = file  # the tokenizer.json it was read from, if any (see _ids_below)
+        self._digest: str | None = None  # its SHA-256 when read, which a backend read later must match
 
     @classmethod
     def from_checkpoint(cls, path) -> "Tokenizer":
         """Load `tokenizer.json`, `tokenizer_config.json` and the chat template from a checkpoint folder."""
         folder = Path(path)
         file = folder / TOKENIZER_FILE
-        bpe, _ = bpe_tables.load_stored(_read_tokenizer_json(file))
+        bpe, digest = bpe_tables.load_stored(_read_tokenizer_json(file))  # stored after an earlier start, or None
         backend = None if bpe is not None else _load_backend(file)
         config = read_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
         _check_config_types(config, folder / CONFIG_FILE)
@@ -68,8 +69,10 @@ class Tokenizer:
         if (folder / TEMPLATE_FILE).exists():
             template, source = read_text(folder / TEMPLATE_FILE), printable(folder / TEMPLATE_FILE)
         else:
-            template, source = _default_template(config.get("chat_template")), f"{printable(folder / CONFIG_FILE)} (chat_template)"
+            template = _default_template(config.get("chat_template"))
+            source = f"{printable(folder / CONFIG_FILE)} (chat_template)"
         tokenizer = cls(backend, config, template, source, bpe=bpe, file=file)
+        tokenizer._digest = digest
         _check_added_tokens(tokenizer, config, folder / CONFIG_FILE)
         return tokenizer
 
@@ -79,6 +82,10 @@ class Tokenizer:
         if self._backend is None:
             with self._backend_lock:
                 if self._backend is None:
+                    now = bpe_tables.digest(_read_tokenizer_json(self._file)) if self._digest is not None else None
+                    if now != self._digest:
+                        raise CheckpointError(f"{printable(self._file)} changed since this tokenizer was loaded "
+                                              "from it; load the checkpoint again (restart the command)")  # fmt: skip
                     self._backend = _load_backend(self._file)
         return self._backend
 
