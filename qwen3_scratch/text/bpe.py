@@ -66,7 +66,7 @@ _TO_LATIN1 = {ord(c): b for c, b in _BYTE_OF_CHAR.items()}
 _TO_LATIN1.update({b: 0x10FFFF for b in range(256) if chr(b) not in _BYTE_OF_CHAR})
 
 
-def _token_bytes(token: str) -> bytes:
+def vocab_entry_bytes(token: str) -> bytes:
     """A vocabulary entry's bytes as `tokenizers`' ByteLevel decoder gives them: its byte characters' bytes, or its
     UTF-8 when any character is not a byte character."""
     try:
@@ -239,7 +239,8 @@ class ByteLevelBPE:
             or len(set(formed)) != len(formed)  # two merges forming one token: `tokenizers` would rank them apart
         ):
             return None
-        largest = max(vocab.values(), default=-1)
+        added = [(t["content"], t["id"], t["special"]) for t in data.get("added_tokens") or []]
+        largest = max([*vocab.values(), *(i for _, i, _ in added)], default=-1)
         rank_of, cut_of = [-1] * (largest + 1), [0] * (largest + 1)  # by id
         for rank, i in enumerate(formed):
             rank_of[i] = rank
@@ -249,11 +250,9 @@ class ByteLevelBPE:
         ids = list(map(vocab.__getitem__, keys))
         key_ids = array("i", ids)
         ranks, cuts = array("i", map(rank_of.__getitem__, ids)), array("i", map(cut_of.__getitem__, ids))
-        added = [(t["content"], t["id"], t["special"]) for t in data.get("added_tokens") or []]
-        largest = max([*vocab.values(), *(i for _, i, _ in added)], default=-1)
         chunks: list[bytes] = [b""] * (largest + 1)
         for token, i in vocab.items():
-            chunks[i] = _token_bytes(token)
+            chunks[i] = vocab_entry_bytes(token)
         for content, i, _ in added:
             chunks[i] = content.encode()  # printable ASCII: the ByteLevel decoder's bytes are its UTF-8
         offsets = array("q", [0, *itertools.accumulate(map(len, chunks))])

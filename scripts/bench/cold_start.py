@@ -133,8 +133,8 @@ def timed_warm(name: str, args: list[str], root: Path) -> float:
 
 def store_every_kernel(commands: dict, trees: dict) -> None:
     """Each command of each checkout started once, untimed, then the builder (and the tokenizer's table) waited for,
-    until a pass stores no new kernel: what is missing is built now, not during the timed rounds (a builder that finds another at work leaves its
-    kernels to a later start, so one pass can leave some)."""
+    until a pass stores no new kernel: what is missing is built now, not during the timed rounds (a builder that
+    finds another at work leaves its kernels to a later start, so one pass can leave some)."""
     from qwen3_scratch.kernels import aot
 
     def stored() -> int:
