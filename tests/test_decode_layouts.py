@@ -111,52 +111,48 @@ def test_compiled_one_row_product_equals_linear(shape, dtype):
     assert torch.equal(layer(rows), several), "several rows should take the several-row product's path"
 
 
-def test_the_bf16_loop_over_words_gives_the_row_orders_products():
-    """bf16_word_sums (compiled, as it runs, and eager) against row_sums on the same weights: each word's two bf16
-    halves widened by moving bits, over every kind of bf16 (both signs, subnormals, the largest finite, zeros) and
-    an infinity beside a subnormal (a word whose bits are a signaling NaN as a float: a load that quieted it would
-    make the infinity a NaN). The same products summed in another order: equal to fp32 rounding."""
-    g = torch.Generator().manual_seed(5)
-    N, K = 40, 256
-    weight = (torch.randn(N, K, generator=g) * torch.logspace(-3, 3, K)).bfloat16()
-    bits = weight.view(torch.int16)
-    bits[1, :64] = torch.arange(1, 65, dtype=torch.int16)  # positive subnormals
-    bits[2, :64] = -torch.arange(1, 65, dtype=torch.int16)  # 0xffff, 0xfffe, ...: NaNs (the high half's sign: -NaN)
-    bits[3, 1], bits[3, 3] = 0x7F7F, 0x7F7F | -0x8000  # the largest finite bf16, both signs, in high halves
-    weight[4] = 0.0
-    weight[5, 0], weight[5, 1] = torch.finfo(torch.bfloat16).smallest_normal / 2, float("inf")  # word 0x7f80xxxx
-    x = torch.rand(1, K, generator=g) + 0.5  # positive: the infinity stays one
-    x[0, 1], x[0, 3] = 1.5, 0.5  # row 3: the largest bf16 once, not an overflow
-    want = matvec_module.row_sums(x, weight)
-    got = matvec_module.kernel(matvec_module.bf16_word_sums, x, weight)(x, weight)
-    eager = matvec_module.bf16_word_sums(x, weight)
-    for sums in (got, eager):
-        assert sums.dtype == torch.float32 and sums.shape == (N,)
-        assert sums[2].isnan() and sums[5] == float("inf"), "a word's bits changed on the way"
-        rows = [n for n in range(N) if n not in (2, 5)]
-        torch.testing.assert_close(sums[rows], want[rows], rtol=1e-5, atol=1e-30)
-    assert got[4] == 0.0 and got[3].abs() > 1e38
+def test_slices_are_one_size_for_the_products_of_one_row_and_about_four():
+    """slice_rows for Qwen3-0.6B's products (q, k and v; gate and up; o; down; the lm_head), a larger model's q/k/v
+    (Qwen3-4B: 32 and 8 heads), and matrices with few rows: every count a whole number of slices, of whole 8-row
+    steps where the count allows it."""
+    assert matvec_module.slice_rows(2048, 1024, 1024) == 1024  # four slices: q's two, k's, v's
+    assert matvec_module.slice_rows(3072, 3072) == 1536
+    assert matvec_module.slice_rows(1024) == 256
+    assert matvec_module.slice_rows(151936) == 37984  # 151936 = 2**7 * 1187
+    assert matvec_module.slice_rows(4096, 1024, 1024) == 1024  # six slices: no smaller size makes fewer
+    assert matvec_module.slice_rows(48) == 24 and matvec_module.slice_rows(37) == 37
+    assert matvec_module.slice_rows(8) == 8
 
 
-def test_a_product_of_its_own_reads_bf16_weights_as_words_on_a_cpu_with_avx2_only(monkeypatch):
-    """MatvecLinear (the lm_head's product) runs the words loop for bf16 weights where the CPU's widest vectors are
-    AVX2's, and matvec's elsewhere. Told apart by a row whose first word holds 2**30 and -2**30: the words loop adds
-    the two first (exactly 0), matvec's keeps them in two lanes, where the ones added to them round away."""
-    K = 256
-    weight = torch.ones(16, K, dtype=torch.bfloat16)
-    weight[:, 0], weight[:, 1] = 2.0**30, -(2.0**30)
-    linear = nn.Linear(K, 16, bias=False)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [(96, 256), (80, 100), (3 * 37, 64)])  # (N, K): whole runs, no whole run, odd rows
+def test_a_product_in_slices_gives_one_slices_sums_bit_for_bit(rows, dtype):
+    """matvec in slices (compiled, as a decode runs it, and eager) against one slice: each row's sum is the same
+    loop over the same numbers wherever its slice starts, so the same bits, also with 3 slices of 37 rows."""
+    N, K = rows
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(N, K, generator=g) * torch.logspace(-3, 3, K)).to(dtype)
+    x = torch.randn(1, K, generator=g)
+    slice_rows = 37 if N == 3 * 37 else matvec_module.slice_rows(N)
+    assert slice_rows < N
+    one = matvec_module.kernel(matvec_module.matvec, x, weight)(x, weight)
+    sliced = matvec_module.kernel(matvec_module.matvec, x, weight, rows=slice_rows)(x, weight)
+    assert sliced.dtype == dtype and torch.equal(sliced, one)
+    assert torch.equal(matvec_module.matvec(x, weight, slice_rows), matvec_module.matvec(x, weight))
+
+
+def test_a_product_of_its_own_runs_in_slices():
+    """MatvecLinear (the lm_head's product) runs matvec's loop in slice_rows' slices: the kernel it holds is the one
+    kernel() keeps for those constants."""
+    weight = torch.randn(96, 256).bfloat16()
+    linear = nn.Linear(256, 96, bias=False)
     linear.weight = nn.Parameter(weight, requires_grad=False)
-    x, row = torch.ones(1, 1, K, dtype=torch.bfloat16), torch.ones(1, K)
-    words = matvec_module.kernel(matvec_module.matvec_bf16_words, row, weight)(row, weight)
-    rows = matvec_module.kernel(matvec_module.matvec, row, weight)(row, weight)
-    assert torch.all(words == K - 2) and not torch.equal(words, rows)
-    for avx2_only, want in ((True, words), (False, rows)):
-        monkeypatch.setattr(matvec_module, "cpu_reads_words", lambda avx2_only=avx2_only: avx2_only)
-        assert torch.equal(MatvecLinear(linear)(x).view(-1), want)
-    monkeypatch.setattr(matvec_module, "cpu_reads_words", lambda: True)
-    assert not matvec_module.reads_bf16_words(weight.float())  # fp32 weights: matvec's loop
-    assert not matvec_module.reads_bf16_words(torch.ones(8, 72, dtype=torch.bfloat16))  # no whole vectors
+    layer = MatvecLinear(linear)
+    x = torch.randn(1, 1, 256, dtype=torch.bfloat16)
+    got = layer(x)
+    row = torch.empty(1, 256)
+    assert layer.kernel is matvec_module.kernel(matvec_module.matvec, row, weight, rows=matvec_module.slice_rows(96))
+    assert torch.equal(got.view(-1), matvec_module.matvec(x.view(1, -1).float(), weight))
 
 
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])

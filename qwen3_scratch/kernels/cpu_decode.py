@@ -52,7 +52,7 @@ from qwen3_scratch.model.rope import apply_rope
 from . import one_row_attention
 from .int4 import FUSED_MULTIPLY_ADD, NEVER_STORE, Int4Linear, matvec_int4_words
 from .int4_pairs import Int4PairsLinear, matvec_int4_pairs
-from .matvec import MatvecLinear, kernel, matvec, matvec_int8, matvec_int8_words
+from .matvec import MatvecLinear, kernel, matvec, matvec_int8, matvec_int8_words, slice_rows
 from .quantize import Int8Linear
 
 SCALES = ("scales", "scales_and_zeros")  # what an int8 (Int8Linear) or int4 (Int4Linear) product reads beside its weight
@@ -86,8 +86,9 @@ def widen(h, wide: bool):
     return h.float() if wide else h
 
 
-def product(h, weight, scales=None):
-    """One product inside a whole-half kernel: h (1, K) -> (N,). matvec's loop (h fp32), int8's (h fp32, the
+def product(h, weight, scales=None, *, rows=None):
+    """One product inside a whole-half kernel: h (1, K) -> (N,). matvec's loop (h fp32; in slices of `rows` rows,
+    matvec.slice_rows, where the products of one row are cut into slices summed at once), int8's (h fp32, the
     row scales given; the codes int8, or as float32 words, Int8Linear.codes), torch's int4 kernel (h in the
     activations' dtype, the packed nibbles and their scales_and_zeros (K/g, N, 2) given: the group size g
     follows from the shapes), int4's words loop (h fp32, the words (N/8, K/8, 8) as Int4Linear.codes), or the
@@ -100,7 +101,7 @@ def product(h, weight, scales=None):
     if weight.dim() == 4:  # int4_pairs.Int4PairsLinear's pairs
         return matvec_int4_pairs(h, weight, scales)
     if scales is None:
-        return matvec(h, weight)
+        return matvec(h, weight, rows)
     return (matvec_int8 if weight.dtype == torch.int8 else matvec_int8_words)(h, weight, scales)
 
 
@@ -113,7 +114,8 @@ def first_half(x, norm_weight, projections, q_norm_weight, k_norm_weight, cos, s
     if len(projections) == 1:  # q/k/v fused (fuse.py): one product, rows split
         q, k, v = product(h, *projections[0]).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim])
     else:
-        q, k, v = (product(h, *weights) for weights in projections)
+        rows = slice_rows(*(weights[0].shape[0] for weights in projections))  # q's, k's and v's slices in one loop
+        q, k, v = (product(h, *weights, rows=rows) for weights in projections)
     q, k, v = (t.contiguous().view(1, 1, -1) for t in (q, k, v))
     return heads(q, k, v, q_norm_weight, k_norm_weight, cos, sin, n_heads=n_heads, n_kv_heads=n_kv_heads,
                  head_dim=head_dim, eps=eps)  # fmt: skip
@@ -122,14 +124,17 @@ def first_half(x, norm_weight, projections, q_norm_weight, k_norm_weight, cos, s
 def second_half(x, y, o, norm_weight, gate_up, down, *, eps: float, wide=True):
     """o product -> residual + norm -> gate/up products -> SwiGLU -> down product + residual. gate_up: gate's
     and up's (weight,) or (weight, scales), or one fused gate/up product's. wide: as first_half's."""
-    x, h = residual_norm(x, product(widen(y.view(1, -1), wide), *o).view(x.shape), norm_weight, eps=eps, wide=wide)
+    o_rows, down_rows = slice_rows(o[0].shape[0]), slice_rows(down[0].shape[0])
+    y = product(widen(y.view(1, -1), wide), *o, rows=o_rows).view(x.shape)
+    x, h = residual_norm(x, y, norm_weight, eps=eps, wide=wide)
     h = h.view(1, -1)  # (1, C)
     if len(gate_up) == 1:  # gate/up fused (fuse.py): one product, rows split in half
         gate, up = product(h, *gate_up[0]).chunk(2)
     else:
-        gate, up = (product(h, *weights) for weights in gate_up)
+        rows = slice_rows(*(weights[0].shape[0] for weights in gate_up))  # gate's and up's slices in one loop
+        gate, up = (product(h, *weights, rows=rows) for weights in gate_up)
     h = swiglu(gate.contiguous(), up.contiguous(), wide=wide)  # (F,)
-    return (x.view(-1) + product(h.view(1, -1), *down)).view(x.shape)  # rounded, then added: as eager
+    return (x.view(-1) + product(h.view(1, -1), *down, rows=down_rows)).view(x.shape)  # rounded, then added: as eager
 
 
 def attention_inputs(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, *,

@@ -27,6 +27,7 @@ Shapes: N out_features, K in_features.
 """
 
 import functools
+import math
 import sys
 import warnings
 
@@ -46,65 +47,56 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 SPLIT = 4  # each row's sum in SPLIT quarters (see row_sums)
+STREAMS = 4  # rows a product's loop reads at once, each from its own part of the matrices (see slice_rows)
 
 
-def row_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def row_sums(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """sum_k float(weight[n, k]) * x[k] for each row n, (N,) fp32: x (1, K) fp32, weight (N, K).
 
     Each row is summed as SPLIT runs of K/SPLIT, then the SPLIT partial sums: inductor's loop over one run
     then has a trip count the C++ compiler knows and unrolls, keeping more loads of the weight stream in
     flight. On the Intel Xeon (one row of a 65536 x 1024 bf16 matrix, out of cache) 14.5 -> 16.3 GB/s on
-    2 threads, 7.0 -> 7.7 on one; 2, 8 or 16 runs were slower (docs/performance.md, "Two kernels a layer")."""
+    2 threads, 7.0 -> 7.7 on one; 2, 8 or 16 runs were slower (docs/performance.md, "Two kernels a layer").
+
+    rows: the matrix cut into slices of that many rows (slice_rows), each summed as above. Inductor fuses loops
+    of the same size into one, so the slices' loops become one loop that sums a row of each slice at once: each
+    thread then streams from as many places in the matrix, with an accumulator for each and x loaded once for all
+    of them. The same sums as one slice, bit for bit."""
     N, K = weight.shape
+    if rows is not None and rows < N:
+        return torch.cat([row_sums(x, weight[start : start + rows]) for start in range(0, N, rows)])
     if K % (SPLIT * 32):  # no whole runs of 32 (one vector step of bf16): one run
         return (weight.float() * x).sum(-1)
     return (weight.view(N, SPLIT, K // SPLIT).float() * x.view(SPLIT, K // SPLIT)).sum(-1).sum(-1)
 
 
-def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (1, K) fp32 times weight (N, K) transposed -> (N,) in weight's dtype, summed in fp32."""
-    return row_sums(x, weight).to(weight.dtype)
+def slice_rows(*row_counts: int) -> int:
+    """Rows a slice for the products of one input row with these row counts (their matrices), so that their slices
+    are all of one size, which inductor sums in one loop (row_sums), and there are about STREAMS of them: the
+    largest common divisor of the counts, halved while there are fewer slices than STREAMS (and a slice keeps a
+    multiple of 8 rows).
+
+    Why: one product's loop read one place per thread, and did not keep the memory busy: on an AMD EPYC Zen 3 (2
+    threads, out of cache) the lm_head's bf16 product read 18.3 GB/s as one slice, 23.1 as two and 26.0 as four;
+    a 4096-row matrix 15.4 / 18.1 / 21.3 GB/s, eight slices 17.2 and sixteen 12.3 (docs/performance.md). Qwen3
+    0.6B: q, k and v (2048, 1024, 1024 rows) in slices of 1024; gate and up (3072 each) of 1536; o and down (1024)
+    of 256; the lm_head (151936) of 37984."""
+    rows = math.gcd(*row_counts)
+    while sum(row_counts) // rows < STREAMS and rows % 16 == 0:
+        rows //= 2
+    return rows
 
 
-def matvec_bf16_words(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """matvec for bf16 weights, read as words (bf16_word_sums): a product of its own on a CPU with AVX2 only."""
-    return bf16_word_sums(x, weight).to(weight.dtype)
-
-
-def reads_bf16_words(weight: torch.Tensor) -> bool:
-    """Whether a product of its own (MatvecLinear) reads these weights as words: bf16, rows of whole 32-byte
-    vectors, on a CPU whose widest vectors are AVX2's."""
-    return weight.dtype == torch.bfloat16 and weight.shape[1] % 16 == 0 and cpu_reads_words()
-
-
-def bf16_word_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """row_sums for bf16 weights (N, K), read as K/2 32-bit words of two weights each: (N,) fp32.
-
-    A bf16 is the high half of the fp32 it widens to, so word j's high weight (column 2j + 1) is the word with its
-    low 16 bits cleared, and its low weight (column 2j) the word shifted left by 16: a shift and a mask widen 16
-    weights, where loading them as bf16 takes a second load of half the vector, two widenings and two shifts (the
-    loop: 10 instructions for 16 weights instead of 14). Each half of a word multiplies its own half of x,
-    de-interleaved once and stored (halves[0] = x[0::2], halves[1] = x[1::2]). The weights are read where they are
-    mapped: a view, no new layout. The products of row_sums, summed in another order.
-
-    Only a product called on its own reads words, the lm_head above all (a quarter of a 0.6B step's bytes). On the
-    AMD EPYC Zen 3 the head's product read 23.5 -> 27.2 GB/s (stored kernels, 20 alternating rounds), but one
-    layer's four products 20.7 GB/s either way: inside the whole-half kernels (cpu_decode.py) the loop is not what
-    holds them (docs/performance.md)."""
-    K = weight.shape[1]
-    # a buffer: left to inductor, it read x with a stride of 2 inside the loop over the matrix and turned that loop
-    # around (tiles of 8 rows transposed)
-    halves = as_buffer(x.view(K // 2, 2).t().contiguous())  # (2, K/2)
-    bits = weight.view(torch.float32).view(torch.int32)  # loaded as float words: at full speed on AVX2 (above)
-    low = (bits << 16).view(torch.float32)  # columns 0, 2, 4, ... (little-endian: the low half comes first)
-    high = (bits & -65536).view(torch.float32)  # columns 1, 3, 5, ...
-    return (low * halves[0] + high * halves[1]).sum(-1)
+def matvec(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """x (1, K) fp32 times weight (N, K) transposed -> (N,) in weight's dtype, summed in fp32 (in slices of `rows`
+    rows summed at once: row_sums)."""
+    return row_sums(x, weight, rows).to(weight.dtype)
 
 
 def as_buffer(t: torch.Tensor) -> torch.Tensor:
     """t as a buffer of its own in the kernel traced from it, in t's layout (inductor's way to ask for one), so the
-    loops that read it load it rather than compute it again where they read it (bf16_word_sums' x de-interleaved,
-    int4_pairs' rounded rows). For functions compiled by kernel(); it imports inductor where called eagerly."""
+    loops that read it load it rather than compute it again where they read it (int4_pairs' rounded rows). For
+    functions compiled by kernel(); it imports inductor where called eagerly."""
     from torch._inductor import inductor_prims  # noqa: F401 (defines the op; the compiler is tracing this anyway)
 
     return torch.ops.prims.inductor_force_stride_order(t, t.stride())
@@ -255,16 +247,16 @@ class MatvecLinear(nn.Module):
         its two whole-half kernels (cpu_decode.py), so most matrices never need one of their own."""
         compiled = self.__dict__.get("_kernel")
         if compiled is None:
-            product = matvec_bf16_words if reads_bf16_words(self.weight) else matvec
-            compiled = self.__dict__["_kernel"] = kernel(product, torch.empty(1, self.in_features), self.weight)
+            compiled = self.__dict__["_kernel"] = kernel(matvec, torch.empty(1, self.in_features), self.weight,
+                                                         rows=slice_rows(self.out_features))  # fmt: skip
         return compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not one_row(x, self.in_features):
             return widen.product(x, self.weight, self.bias)
         # under torch.compile the same maths is traced into the caller's graph instead
-        product = matvec if torch.compiler.is_compiling() else self.kernel
-        y = product(x.reshape(1, self.in_features).float().contiguous(), self.weight)  # (N,)
+        row = x.reshape(1, self.in_features).float().contiguous()
+        y = matvec(row, self.weight) if torch.compiler.is_compiling() else self.kernel(row, self.weight)  # (N,)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

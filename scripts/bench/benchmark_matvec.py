@@ -37,7 +37,7 @@ from machine import Table, machine, machine_line  # noqa: E402
 from qwen3_scratch.generation.stats import measure_bandwidth  # noqa: E402
 from qwen3_scratch.kernels import fewrow, sgemm, widen  # noqa: E402
 from qwen3_scratch.kernels.int4 import quantize_and_pack, quantize_groups  # noqa: E402
-from qwen3_scratch.kernels.matvec import kernel, matvec, matvec_bf16_words, matvec_int8, reads_bf16_words  # noqa: E402
+from qwen3_scratch.kernels.matvec import kernel, matvec, matvec_int8, slice_rows  # noqa: E402
 from qwen3_scratch.kernels.quantize import quantize_rows  # noqa: E402
 
 SHAPES = {"q/k/v (4096x1024)": (4096, 1024, 28), "o (1024x2048)": (1024, 2048, 28),
@@ -57,14 +57,14 @@ def gb_per_s(products, nbytes: int, passes: int = 7) -> float:
 
 def float_kernels(weights: list[torch.Tensor], x: torch.Tensor) -> dict:
     ours = kernel(matvec, x.float(), weights[0])
+    sliced = kernel(matvec, x.float(), weights[0], rows=slice_rows(len(weights[0])))
     kernels = {"F.linear": lambda: [F.linear(x, w) for w in weights]}
     if x.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():  # oneDNN packs no bf16 on AVX2 alone
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
         kernels["oneDNN packed"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
-    kernels["ours (compiled)"] = lambda: [ours(x.float(), w) for w in weights]
-    if reads_bf16_words(weights[0]):  # the loop a product of its own runs here: the lm_head's (matvec.py)
-        words = kernel(matvec_bf16_words, x.float(), weights[0])
-        kernels["ours, read as words (lm_head's)"] = lambda: [words(x.float(), w) for w in weights]
+    kernels["ours (compiled), one slice"] = lambda: [ours(x.float(), w) for w in weights]
+    # what a decode runs: the matrix's rows in slices summed at once (matvec.slice_rows; for one matrix alone)
+    kernels["ours (compiled), in slices"] = lambda: [sliced(x.float(), w) for w in weights]
     return kernels
 
 
