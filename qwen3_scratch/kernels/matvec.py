@@ -10,7 +10,9 @@ torch ops,
 
 is compiled by inductor into a single loop over W's rows: load a SIMD vector of weights, widen it to
 fp32, multiply-add into two accumulators, one horizontal sum per row, rows split across threads.
-Nothing the size of W is ever made, and W is read at ~the copy bandwidth. int8 weights (quantize.py)
+Nothing the size of W is ever made, and W is read at ~the copy bandwidth. A decode's products cut their
+matrices into about four slices of equal rows (slice_rows), which inductor sums in one loop: each thread then
+streams from four places at once (a bf16 step 61 -> 51 ms on an AMD EPYC Zen 3). int8 weights (quantize.py)
 run the same loop, reading a quarter of fp32's bytes, times the row's scale.
 
 We hand the traced graph to inductor ourselves (`torch._inductor.compile`), once per shape and dtype:
