@@ -367,6 +367,9 @@ def test_the_one_row_int8_loop_over_words_gives_the_row_orders_products():
         torch.testing.assert_close(got, want, rtol=rtol, atol=1e-3)
         eager = matvec_module.matvec_int8_words(x, words, scales).float()  # some words' bits are NaNs as floats
         torch.testing.assert_close(eager, want, rtol=rtol, atol=1e-3)
+        # in two slices (a whole-half kernel's): the same bits as one
+        sliced = matvec_module.kernel(matvec_module.matvec_int8_words, x, words, scales, rows=N // 2)
+        assert torch.equal(sliced(x, words, scales).float(), got)
 
 
 def test_an_int8_layer_with_codes_as_words_multiplies_as_one_in_the_rows_order():

@@ -52,7 +52,7 @@ from qwen3_scratch.model.rope import apply_rope
 from . import one_row_attention
 from .int4 import FUSED_MULTIPLY_ADD, NEVER_STORE, Int4Linear, matvec_int4_words
 from .int4_pairs import Int4PairsLinear, matvec_int4_pairs
-from .matvec import MatvecLinear, kernel, matvec, matvec_int8, matvec_int8_words, slice_rows
+from .matvec import INT8_WORDS_STREAMS, MatvecLinear, kernel, matvec, matvec_int8, matvec_int8_words, slice_rows
 from .quantize import Int8Linear
 
 SCALES = ("scales", "scales_and_zeros")  # what an int8 (Int8Linear) or int4 (Int4Linear) product reads beside its weight
@@ -102,7 +102,9 @@ def product(h, weight, scales=None, *, rows=None):
         return matvec_int4_pairs(h, weight, scales)
     if scales is None:
         return matvec(h, weight, rows)
-    return (matvec_int8 if weight.dtype == torch.int8 else matvec_int8_words)(h, weight, scales)
+    if weight.dtype == torch.int8:
+        return matvec_int8(h, weight, scales)
+    return matvec_int8_words(h, weight, scales, slice_rows(weight.shape[0], streams=INT8_WORDS_STREAMS))
 
 
 def first_half(x, norm_weight, projections, q_norm_weight, k_norm_weight, cos, sin, *, n_heads, n_kv_heads, head_dim, eps,
@@ -164,6 +166,17 @@ def attention_output_and_mlp_int8(x, y, o_weight, o_scales, norm_weight, gate_up
                        (down_weight, down_scales), eps=eps)  # fmt: skip
 
 
+def attention_inputs_int8_words(*args, **shape):
+    """attention_inputs_int8 over codes read four to a word (a CPU with AVX2 only, matvec.matvec_int8_words): a
+    kernel of its own, for its inductor config (below)."""
+    return attention_inputs_int8(*args, **shape)
+
+
+def attention_output_and_mlp_int8_words(*args, eps: float):
+    """attention_output_and_mlp_int8 over codes read four to a word."""
+    return attention_output_and_mlp_int8(*args, eps=eps)
+
+
 def attention_inputs_int4(x, norm_weight, qkv_weight, qkv_scales_and_zeros, q_norm_weight, k_norm_weight, cos, sin, *,
                           n_heads: int, n_kv_heads: int, head_dim: int, eps: float):  # fmt: skip
     """attention_inputs over one fused int4 q/k/v product (int4.Int4Linear: packed codes, scales and zeros), its
@@ -222,6 +235,9 @@ STORE_EVERY_BUFFER = {"realize_reads_threshold": 0, "realize_opcount_threshold":
                       "realize_cpu_opcount_threshold": 0, "realize_cpu_acc_reads_threshold": 0}  # fmt: skip
 attention_inputs.inductor_config = attention_output_and_mlp.inductor_config = STORE_PRODUCT_INPUTS
 attention_inputs_int8.inductor_config = attention_output_and_mlp_int8.inductor_config = STORE_EVERY_BUFFER
+# int8's words loop (AVX2), two slices a product: with every buffer stored, its slices ran 30.3 -> 38.2 ms a step's
+# 28 layers (four slices); with the product inputs alone stored, 25.2 -> 23.0 (two; Zen 3, docs/performance.md)
+attention_inputs_int8_words.inductor_config = attention_output_and_mlp_int8_words.inductor_config = STORE_PRODUCT_INPUTS
 # int4's words loop reads its row one number at a time (a broadcast per column): the row stored once, as for
 # the float halves (with int8's STORE_EVERY_BUFFER inductor stored every unpacked nibble: 125 ms a step), and
 # nothing else stored that the loop's own kernel keeps in registers (int4.NEVER_STORE's other thresholds: with
@@ -239,6 +255,7 @@ attention_inputs_int4_pairs.inductor_config = attention_output_and_mlp_int4_pair
 # (4 kernels, ~20 ops a layer), ~65 us a layer on the AMD EPYC (docs/performance.md)
 HALVES = {"float": (attention_inputs, attention_output_and_mlp),
           "int8": (attention_inputs_int8, attention_output_and_mlp_int8),
+          "int8-words": (attention_inputs_int8_words, attention_output_and_mlp_int8_words),
           "int4": (attention_inputs_int4, attention_output_and_mlp_int4),
           "int4-words": (attention_inputs_int4_words, attention_output_and_mlp_int4_words),
           "int4-pairs": (attention_inputs_int4_pairs, attention_output_and_mlp_int4_pairs)}  # fmt: skip
@@ -368,11 +385,11 @@ class CPUDecoderLayer(DecoderLayer):
         return self.__dict__["_halves"]
 
     def whole_halves(self) -> str | None:
-        """"float", "int8", "int4", "int4-words" or "int4-pairs" when the layer runs as two whole-half kernels, else
-        None: a dense layer whose products are its own (not through a tensor-parallel wrapper), without bias, either
-        the "decode" layout's MatvecLinears over the checkpoint's own matrices, or int8 ones on their compiled CPU
-        loop, or int4 ones in one layout (q/k/v and gate/up fused, as quantize_model lays them out). Looked up once
-        per layer."""
+        """"float", "int8", "int8-words", "int4", "int4-words" or "int4-pairs" when the layer runs as two whole-half
+        kernels, else None: a dense layer whose products are its own (not through a tensor-parallel wrapper), without
+        bias, either the "decode" layout's MatvecLinears over the checkpoint's own matrices, or int8 ones on their
+        compiled CPU loop (in one layout: codes, or words), or int4 ones in one layout (q/k/v and gate/up fused, as
+        quantize_model lays them out). Looked up once per layer."""
         if "_whole_halves" not in self.__dict__:
             attn, mlp, scheme = self.self_attn, self.mlp, None
             if isinstance(mlp, MLP):
@@ -383,7 +400,8 @@ class CPUDecoderLayer(DecoderLayer):
                     scheme = "float"
                 int8 = [isinstance(m, Int8Linear) and m.route == "cpu" and m.kernel is not None for m in products]
                 if fused == (True, True) and all(int8) and all(m.bias is None for m in products):
-                    scheme = "int8"
+                    words = {m.words for m in products}
+                    scheme = ("int8-words" if words.pop() else "int8") if len(words) == 1 else None
                 if fused == (True, True) and all(isinstance(m, Int4Linear) and m.bias is None for m in products):
                     layouts = {"-pairs" if isinstance(m, Int4PairsLinear) else "-words" if m.words else ""
                                for m in products}  # fmt: skip

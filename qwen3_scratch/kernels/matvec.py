@@ -50,6 +50,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 SPLIT = 4  # each row's sum in SPLIT quarters (see row_sums)
 STREAMS = 4  # rows a product's loop reads at once, each from its own part of the matrices (see slice_rows)
+INT8_WORDS_STREAMS = 2  # the same for int8's words loop, which holds more registers a row (matvec_int8_words)
 
 
 def row_sums(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
@@ -72,7 +73,7 @@ def row_sums(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> 
     return (weight.view(N, SPLIT, K // SPLIT).float() * x.view(SPLIT, K // SPLIT)).sum(-1).sum(-1)
 
 
-def slice_rows(*row_counts: int) -> int:
+def slice_rows(*row_counts: int, streams: int = STREAMS) -> int:
     """Rows a slice for the products of one input row with these row counts (their matrices), so that their slices
     are all of one size, which inductor sums in one loop (row_sums), and there are about STREAMS of them: the
     largest common divisor of the counts, halved while there are fewer slices than STREAMS (and a slice keeps a
@@ -84,7 +85,7 @@ def slice_rows(*row_counts: int) -> int:
     0.6B: q, k and v (2048, 1024, 1024 rows) in slices of 1024; gate and up (3072 each) of 1536; o and down (1024)
     of 256; the lm_head (151936) of 37984."""
     rows = math.gcd(*row_counts)
-    while sum(row_counts) // rows < STREAMS and rows % 16 == 0:
+    while sum(row_counts) // rows < streams and rows % 16 == 0:
         rows //= 2
     return rows
 
@@ -111,7 +112,8 @@ def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     return ((weight.float() * x).sum(-1) * scales.float()).to(scales.dtype)
 
 
-def matvec_int8_words(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def matvec_int8_words(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                      rows: int | None = None) -> torch.Tensor:  # fmt: skip
     """matvec_int8 over codes laid out four to a 32-bit word (quantize.interleave_columns): x (1, K) fp32,
     words (N, K/4) float32 holding the codes' bits (byte b of word j: the code of column b*K/4 + j), one
     scale per row (N,) -> (N,) in the scales' dtype.
@@ -122,7 +124,14 @@ def matvec_int8_words(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
     docs/performance.md). Here each load is a float vector of 8 words, 32 codes, then reinterpreted as int32
     (inductor's bitcast, a copy through the stack too, but one per 32 codes); two shifts sign-extend each byte,
     and each byte position multiplies its own quarter of x, contiguous: 10.7 GB/s. The same products as
-    matvec_int8, summed in another order."""
+    matvec_int8, summed in another order.
+
+    rows: in slices of that many rows summed at once, as row_sums' (the same bits): a decode's whole-half kernels
+    read two slices a product (INT8_WORDS_STREAMS)."""
+    N = words.shape[0]
+    if rows is not None and rows < N:
+        return torch.cat([matvec_int8_words(x, words[start : start + rows], scales[start : start + rows])
+                          for start in range(0, N, rows)])  # fmt: skip
     codes = words.view(torch.int32)  # (N, K/4)
     quarters = x.view(4, words.shape[1])  # quarters[b, j] = x[b*K/4 + j]
     c0, c1, c2, c3 = (((codes << shift) >> 24).float() for shift in (24, 16, 8, 0))  # bytes 0-3, sign-extended
