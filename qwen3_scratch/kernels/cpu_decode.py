@@ -9,7 +9,7 @@ no guards; packaged ahead of time for later starts, aot.py), products included:
     [norm -> q/k/v products -> q/k norm + RoPE] -> cache + attention (the model's own, or below)
     -> [o product -> residual + norm -> gate/up products -> SwiGLU -> down product + residual]
 
-Inductor is told to store each product's input row (STORE_PRODUCT_INPUTS; int8: STORE_EVERY_BUFFER):
+Inductor is told to store each product's input row (STORE_PRODUCT_INPUTS; int8 codes: STORE_EVERY_BUFFER):
 left to itself it recomputes a norm's pointwise tail inside every weight row's loop of the products
 that read it (2x slower). So each product is matvec's own loop, and the layer's ~11 calls and ~18
 views become 2 calls. Bf16 decode at the 0.6B shapes, Intel Xeon with AMX, 2 threads: a step 125 ->
