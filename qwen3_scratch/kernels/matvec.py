@@ -75,9 +75,9 @@ def row_sums(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> 
 
 def slice_rows(*row_counts: int, streams: int = STREAMS) -> int:
     """Rows a slice for the products of one input row with these row counts (their matrices), so that their slices
-    are all of one size, which inductor sums in one loop (row_sums), and there are about STREAMS of them: the
-    largest common divisor of the counts, halved while there are fewer slices than STREAMS (and a slice keeps a
-    multiple of 8 rows).
+    are all of one size, which inductor sums in one loop (row_sums), and there are about `streams` of them (STREAMS
+    for float products, INT8_WORDS_STREAMS for int8's words): the largest common divisor of the counts, halved while
+    there are fewer slices than that (and a slice keeps a multiple of 8 rows).
 
     Why: one product's loop read one place per thread, and did not keep the memory busy: on an AMD EPYC Zen 3 (2
     threads, out of cache) the lm_head's bf16 product read 18.3 GB/s as one slice, 23.1 as two and 26.0 as four;
