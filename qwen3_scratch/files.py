@@ -41,12 +41,15 @@ def read_bytes(path, error=CheckpointError, hint: str = REDOWNLOAD) -> bytes:
 
 def read_text(path, error=CheckpointError, hint: str = REDOWNLOAD) -> str:
     """The file's text, strictly UTF-8; `error` (a Qwen3Error class) with `hint` appended otherwise."""
-    path = Path(path)
-    where = printable(path)
-    data = read_bytes(path, error, hint)
+    return decode_text(read_bytes(path, error, hint), path, error, hint)
+
+
+def decode_text(data: bytes, path, error=CheckpointError, hint: str = REDOWNLOAD) -> str:
+    """The bytes read from `path` as text, strictly UTF-8; `error` naming the file and the first bad byte otherwise."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
+        where = printable(Path(path))
         raise error(f"{where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); {hint}") from e
 
 

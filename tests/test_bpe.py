@@ -228,6 +228,7 @@ def test_a_later_start_reads_the_table_not_tokenizer_json(real_vocab_folder, cac
         raise AssertionError("a later start must not parse tokenizer.json")
 
     monkeypatch.setattr(tokenizers.Tokenizer, "from_file", refuse)
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_str", refuse)
     monkeypatch.setattr(bpe_module.ByteLevelBPE, "from_json", refuse)
     later = Tokenizer.from_checkpoint(real_vocab_folder)
     assert later.bpe is not None and later._backend is None

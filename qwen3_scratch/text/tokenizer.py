@@ -16,7 +16,7 @@ from pathlib import Path
 import tokenizers
 
 from qwen3_scratch.errors import CheckpointError, ConfigError, printable
-from qwen3_scratch.files import read_bytes, read_json, read_text
+from qwen3_scratch.files import decode_text, read_bytes, read_json, read_text
 
 from . import bpe as bpe_tables
 from .bpe import ByteLevelBPE
@@ -61,8 +61,9 @@ class Tokenizer:
         """Load `tokenizer.json`, `tokenizer_config.json` and the chat template from a checkpoint folder."""
         folder = Path(path)
         file = folder / TOKENIZER_FILE
-        bpe, digest = bpe_tables.load_stored(_read_tokenizer_json(file))  # stored after an earlier start, or None
-        backend = None if bpe is not None else _load_backend(file)
+        data = _read_tokenizer_json(file)
+        bpe, digest = bpe_tables.load_stored(data)  # stored after an earlier start, or None
+        backend = None if bpe is not None else _load_backend(file, data)
         config = read_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).exists() else {}
         _check_config_types(config, folder / CONFIG_FILE)
         # transformers lets a separate chat_template.jinja win over the config's copy; so do we.
@@ -82,11 +83,11 @@ class Tokenizer:
         if self._backend is None:
             with self._backend_lock:
                 if self._backend is None:
-                    now = bpe_tables.digest(_read_tokenizer_json(self._file)) if self._digest is not None else None
-                    if now != self._digest:
+                    data = _read_tokenizer_json(self._file)  # read once: what is parsed is what was checked
+                    if self._digest is not None and bpe_tables.digest(data) != self._digest:
                         raise CheckpointError(f"{printable(self._file)} changed since this tokenizer was loaded "
                                               "from it; load the checkpoint again (restart the command)")  # fmt: skip
-                    self._backend = _load_backend(self._file)
+                    self._backend = _load_backend(self._file, data)
         return self._backend
 
     def store_table(self, background: bool = True) -> bool:
@@ -348,25 +349,23 @@ class StreamingDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
 
-def _load_backend(path: Path) -> tokenizers.Tokenizer:
-    _refuse_missing(path)
-    read_text(path)  # a directory, an oversized file or bytes that are not UTF-8: our own line
+def _load_backend(path: Path, data: bytes) -> tokenizers.Tokenizer:
+    """`tokenizers`' BPE from tokenizer.json's bytes as read (_read_tokenizer_json), not read from the file again."""
+    text = decode_text(data, path)  # bytes that are not UTF-8: our own line
     try:
-        return tokenizers.Tokenizer.from_file(str(path))
+        return tokenizers.Tokenizer.from_str(text)
     except Exception as error:  # the Rust parser raises a bare Exception
         reason = printable(" ".join(str(error).split()))
         raise CheckpointError(f"{printable(path)}: cannot be read as a tokenizer ({reason}); download it again") from error
 
 
-def _refuse_missing(path: Path) -> None:
+def _read_tokenizer_json(path: Path) -> bytes:
+    """The file's bytes (a missing file, a directory or an oversized one: our own line); its text is checked by
+    whatever reads them: a table only exists for UTF-8 JSON, _load_backend decodes them strictly."""
     if not path.exists():
         raise CheckpointError(f"{printable(path)}: not found; a checkpoint folder needs its {TOKENIZER_FILE} "
                               "(download the full repo, not only the weights)")
-
-
-def _read_tokenizer_json(path: Path) -> bytes:
-    _refuse_missing(path)
-    return read_bytes(path)  # its text is checked by whatever reads it: a table only exists for UTF-8 JSON
+    return read_bytes(path)
 
 
 # tokenizer_config.json fields we read, and what each may hold. A token is its text, or a
