@@ -4,6 +4,10 @@ The widened product sums exact fp32 products of the same bf16 (or fp16) inputs, 
 kernels, then rounds once: the bar is the half-precision rounding of the exact (fp64) product, as for F.linear
 itself. Every CPU runs these tests: where the CPU has bf16 instructions, the tests say it has none."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,6 +106,17 @@ def test_models_that_gain_nothing_keep_their_products(tmp_path, monkeypatch):
     assert not any(isinstance(m, WideLinear) for m in model.modules())
 
 
+UNPACK_CHECK = """
+import torch
+from qwen3_scratch.kernels import int4
+codes = torch.randint(0, 16, (3 * int4.PACK_ROWS, 96), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+packed = int4.pack(codes)
+print(torch.backends.cpu.get_cpu_capability(), int4.cpu_packing(),
+      torch.equal(int4.unpack(packed), codes.to(torch.uint8)),
+      torch.equal(int4.unpack(packed[int4.PACK_ROWS:]), codes[int4.PACK_ROWS:].to(torch.uint8)))
+"""
+
+
 def test_int4_unpack_reads_torchs_cpu_packing_exactly():
     """int4.unpack gives back the codes torch's CPU packing was given, for the whole and for a block of rows alone:
     pins the packing's layout, so a torch that packs otherwise fails here, not in a prompt."""
@@ -110,6 +125,20 @@ def test_int4_unpack_reads_torchs_cpu_packing_exactly():
     packed = int4.pack(codes)
     assert torch.equal(int4.unpack(packed), codes.to(torch.uint8))
     assert torch.equal(int4.unpack(packed[PACK_ROWS:]), codes[PACK_ROWS:].to(torch.uint8)), "a block of rows alone"
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_int4_unpack_reads_each_instruction_sets_packing(capability):
+    """torch packs int4 for the CPU differently under each instruction set it dispatches to (AVX-512 CPUs got codes
+    read in AVX2's layout: a prompt's int4 products were wrong there). Each set this CPU runs, in a process of its
+    own (ATEN_CPU_CAPABILITY picks it): unpack reads its packing back exactly."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    result = subprocess.run([sys.executable, "-c", UNPACK_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    ran, layout, whole, block = result.stdout.split()
+    if ran.lower() != capability:
+        pytest.skip(f"this CPU does not run torch's {capability} kernels")
+    assert layout == capability and whole == "True" and block == "True", result.stdout
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "int4-words"])

@@ -48,6 +48,7 @@ activations its logits equal the model whose matrices are `dequantize(...)` to 1
 Shapes: N out_features, K in_features, g group_size.
 """
 
+import functools
 import os
 import warnings
 
@@ -420,12 +421,50 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The codes of rows packed by `pack` on a CPU, a multiple of PACK_ROWS of them: (n, K/2) uint8 -> (n, K) uint8.
+    """The codes of rows packed by `pack` on a CPU, a multiple of PACK_ROWS of them: (n, K/2) uint8 -> (n, K) uint8,
+    read in the layout torch's CPU packing writes in this process (cpu_packing)."""
+    return UNPACK[cpu_packing()](packed)
 
-    torch's CPU packing (torch 2.x, pinned by tests/test_widen.py): in each block of 64 rows, rows h*32 + s*16 + i
-    (h, s in {0, 1}, i < 16) keep the code of column k in byte [h, k, i] of the block viewed as (2, K, 16), the low
-    nibble for s = 0, the high one for s = 1."""
+
+def unpack_avx512(packed: torch.Tensor) -> torch.Tensor:
+    """torch's CPU packing under AVX-512: in each block of 64 rows, rows s*32 + j (s in {0, 1}, j < 32) keep the
+    code of column k in byte [k, j] of the block viewed as (K, 32), the low nibble for s = 0, the high one for s = 1."""
     n, K = len(packed), 2 * packed.shape[1]
-    p = packed.view(n // PACK_ROWS, 2, K, 16)  # (n/64, h, k, i)
+    p = packed.view(n // 64, K, 32)  # (n/64, k, j)
+    return torch.stack([p & 15, p >> 4], dim=1).transpose(2, 3).reshape(n, K)  # (n/64, s, j, k) -> (n, K)
+
+
+def unpack_avx2(packed: torch.Tensor) -> torch.Tensor:
+    """torch's CPU packing under AVX2: in each block of 64 rows, rows h*32 + s*16 + i (h, s in {0, 1}, i < 16) keep
+    the code of column k in byte [h, k, i] of the block viewed as (2, K, 16), the low nibble for s = 0, the high one
+    for s = 1."""
+    n, K = len(packed), 2 * packed.shape[1]
+    p = packed.view(n // 64, 2, K, 16)  # (n/64, h, k, i)
     return torch.stack([p & 15, p >> 4], dim=2).transpose(3, 4).reshape(n, K)  # (n/64, h, s, i, k) -> (n, K)
+
+
+def unpack_default(packed: torch.Tensor) -> torch.Tensor:
+    """torch's CPU packing without vector instructions (its DEFAULT kernels): in each block of 32 rows, rows 2j and
+    2j + 1 (j < 16) keep the code of column k in byte [k, j] of the block viewed as (K, 16), the low nibble and the
+    high one."""
+    n, K = len(packed), 2 * packed.shape[1]
+    p = packed.view(n // 32, K, 16)  # (n/32, k, j)
+    return torch.stack([p & 15, p >> 4], dim=-1).permute(0, 2, 3, 1).reshape(n, K)  # (n/32, j, s, k) -> (n, K)
+
+
+UNPACK = {"avx512": unpack_avx512, "avx2": unpack_avx2, "default": unpack_default}
+
+
+@functools.cache
+def cpu_packing() -> str:
+    """The layout torch's CPU int4 packing writes in this process (a key of UNPACK). torch packs differently for each
+    instruction set it dispatches to (AVX-512, AVX2, none), so rather than trust a name, this packs known codes once
+    and keeps the layout that reads them back (tests/test_widen.py holds each layout to torch's own packing)."""
+    codes = torch.randint(0, 16, (PACK_ROWS, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = pack(codes)
+    for name, read in UNPACK.items():
+        if torch.equal(read(packed), codes.to(torch.uint8)):
+            return name
+    raise RuntimeError("torch packs int4 weights for this CPU in a layout this version cannot read back; "
+                       "QWEN3_SCRATCH_INT4_LAYOUT=words keeps int4 in its own layout")  # fmt: skip
 

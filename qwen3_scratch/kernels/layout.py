@@ -12,8 +12,8 @@ nothing touches the checkpoint's keys: every transform swaps modules in memory, 
             (fewrow.py, called by generation/speculative.py);
   "batch"   several rows per step (the engine, serving): q/k/v and gate/up fused into one matrix each
             and every matrix prepacked for oneDNN (fuse.py), whose kernels are fastest once a step has
-            many rows (in bf16 on a CPU without bf16 instructions, where oneDNN packs none, products of many
-            rows run in fp32 over the same matrices instead: widen.py).
+            many rows (in bf16 on a CPU without bf16 instructions, where oneDNN packs none or emulates bf16,
+            products of many rows run in fp32 over the same matrices instead: widen.py).
 Off the CPU, or where inductor cannot build kernels, "decode" falls back to "batch"; on a GPU "decode" then
 also runs the ops between the products as four compiled kernels a layer (gpu_decode.py), which is what a
 decode step replayed from a CUDA graph is made of; "batch" there does the same for every step, by kernels
@@ -48,8 +48,10 @@ def optimize_layout(model: Qwen3, optimize: str | None, quantize: str | None,
         if quantize is not None:
             quantize_model(model, quantize, group_size)  # its one-row products on a CPU are compiled loops too
         if optimize:
-            prepack_for_cpu(model)  # no-op off the CPU; int8 layers are already in their own layout
-            use_widened(model)  # bf16 where oneDNN packs nothing: many rows in fp32 (CPUs without bf16 instructions)
+            # first: on a CPU without bf16 instructions a bf16 model's products of many rows run in fp32 (widen.py),
+            # even where oneDNN would pack bf16 and emulate it (AVX-512 without avx512_bf16)
+            use_widened(model)
+            prepack_for_cpu(model)  # what is still an nn.Linear; no-op off the CPU; int8 layers have their own layout
     if cpu_decode:
         use_cpu_decoder_layers(model)  # and the ops between the products, a few compiled kernels a layer
     elif optimize == "decode" and model.device.type == "cuda":
