@@ -16,7 +16,7 @@ from checkpoints import build_checkpoint
 from qwen3_scratch.checkpoint.weights import load_model
 from qwen3_scratch.kernels import fuse, int4, widen
 from qwen3_scratch.kernels.int4 import PACK_ROWS, Int4Linear
-from qwen3_scratch.kernels.matvec import MatvecLinear
+from qwen3_scratch.kernels.matvec import MatvecLinear, jit_kernel
 from qwen3_scratch.kernels.quantize import Int8Linear, dequantized_weight
 from qwen3_scratch.kernels.widen import BLOCK_ROWS, MIN_INT4_ROWS, MIN_INT8_ROWS, MIN_ROWS, WideLinear
 
@@ -141,6 +141,45 @@ def test_int4_unpack_reads_each_instruction_sets_packing(capability):
     if ran.lower() != capability:
         pytest.skip(f"this CPU does not run torch's {capability} kernels")
     assert layout == capability and whole == "True" and block == "True", result.stdout
+
+
+def test_an_int4_prompt_on_a_cpu_with_bf16_instructions_runs_dequantized_blocks(monkeypatch):
+    """Where the CPU multiplies bf16, a prompt's int4 product (torch's packing) from MIN_INT4_ROWS rows on runs
+    Int4Linear.dequantized_product: blocks of the matrix dequantized to bf16, times oneDNN's bf16 product, within bf16
+    rounding of the exact product of the rows and those bf16 weights (the weights torch's kernel multiplies them by);
+    fewer rows run torch's kernel."""
+    monkeypatch.setattr(widen, "cpu_has_native_bf16", lambda: True)
+    generator = torch.Generator().manual_seed(7)
+    n, k = BLOCK_ROWS + 2 * PACK_ROWS, 256  # a whole block and a part, in 64-row packing blocks
+    linear = torch.nn.Linear(k, n, bias=False)
+    linear.weight.data = torch.randn(n, k, generator=generator) * 0.05
+    module = Int4Linear(linear, torch.bfloat16, 32, words=False)
+    calls = []
+    real = module.dequantized_product
+    monkeypatch.setattr(module, "dequantized_product", lambda rows: calls.append(len(rows)) or real(rows))
+    x = torch.randn(MIN_INT4_ROWS, k, generator=generator).bfloat16()
+    weight = int4.dequantize(int4.unpack(module.weight), module.scales_and_zeros).bfloat16().double()
+    with torch.no_grad():
+        y = module(x)
+        assert calls == [MIN_INT4_ROWS] and y.dtype == torch.bfloat16 and y.shape == (MIN_INT4_ROWS, n)
+        error = (y.double() - x.double() @ weight.T).abs().max()
+        assert within_rounding(y, x, weight, torch.bfloat16), f"max error {error:.3g}"
+        fewer = module(x[:-1])
+    assert calls == [MIN_INT4_ROWS], "fewer rows run torch's kernel"
+    assert (fewer.double() - y[:-1].double()).abs().max() <= 0.05 * y.double().abs().max(), "the two routes agree"
+
+
+@pytest.mark.parametrize("layout", sorted(int4.UNPACK))
+def test_int4_blocks_dequantize_to_the_same_bits_compiled_and_eager(layout):
+    """dequantize_block's stored kernel (a later start's) and its eager run (a first start's, before the kernels are
+    stored) give the same bf16 weights, in each of torch's packings: a prompt's tokens do not depend on which start
+    it is."""
+    generator = torch.Generator().manual_seed(11)
+    packed = torch.randint(0, 256, (PACK_ROWS, 128), generator=generator, dtype=torch.uint8)  # 64 rows, K = 256
+    scales_and_zeros = (torch.randn(256 // 32, PACK_ROWS, 2, generator=generator) * 0.02).bfloat16()
+    eager = int4.dequantize_block(packed, scales_and_zeros, layout=layout)
+    compiled = jit_kernel(int4.dequantize_block, [packed, scales_and_zeros], dict(layout=layout))
+    assert torch.equal(compiled(packed, scales_and_zeros).view(torch.int16), eager.view(torch.int16))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "int4-words"])

@@ -53,6 +53,7 @@ import os
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qwen3_scratch.errors import CheckpointError
@@ -239,6 +240,8 @@ class Int4Linear(nn.Module):
             y = torch._weight_int4pack_mm(rows, self.weight, self.group_size, self.scales_and_zeros)
         elif not self.out_features % PACK_ROWS and widen.widens(rows, self.in_features, widen.MIN_INT4_ROWS):
             y = widen.products(rows, self.out_features, self.widened_block).to(rows.dtype)  # fp32, rounded once
+        elif not self.out_features % PACK_ROWS and self.dequantizes(rows):
+            y = self.dequantized_product(rows)
         else:
             y = torch._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scales_and_zeros)
         y = y.view(*x.shape[:-1], self.out_features)  # (..., N)
@@ -275,6 +278,31 @@ class Int4Linear(nn.Module):
             words, scales_and_zeros = self.codes[start : start + step], self.scale_words[start : start + step]
             block = self.dequantize_transposed(words, scales_and_zeros)
             torch.mm(rows, block, out=y[:, start * rows_per_vector : start * rows_per_vector + block.shape[1]])
+        return y
+
+    def dequantizes(self, rows: torch.Tensor) -> bool:
+        """Whether rows (R, K) run dequantized_product: widen.MIN_INT4_ROWS bf16 rows or more on a CPU with bf16
+        instructions, outside a traced graph."""
+        return (rows.device.type == "cpu" and rows.dtype == torch.bfloat16 and len(rows) >= widen.MIN_INT4_ROWS
+                and widen.cpu_has_native_bf16() and not torch.compiler.is_compiling())  # fmt: skip
+
+    def dequantized_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (R, K) bf16 times the matrix -> (R, N) bf16 on a CPU with bf16 instructions: a block of
+        widen.BLOCK_ROWS rows of the matrix at a time dequantized to bf16 (dequantize_block: each weight rounded to
+        bf16 once, as torch's kernel rounds it for bf16 rows) and multiplied by oneDNN's bf16 product. torch's
+        kernel unpacks and dequantizes its weights again for every few rows: on an AMD EPYC Zen 5 (2 threads) at
+        300 rows it took 23.0 ms for a 6144 x 1024 matrix and 8.0 for 1024 x 3072, this 15.6 and 5.7, from its
+        stored dequantizing kernels (slower below ~150 rows; docs/performance.md). Until an earlier start has stored
+        them (matvec.stored_kernel), the dequantizing runs eagerly, with the same bits and about torch's speed."""
+        y = rows.new_empty(len(rows), self.out_features)
+        layout = cpu_packing()
+        for start in range(0, self.out_features, widen.BLOCK_ROWS):
+            packed = self.weight[start : start + widen.BLOCK_ROWS]
+            scales_and_zeros = self.scales_and_zeros[:, start : start + widen.BLOCK_ROWS].contiguous()
+            stored = stored_kernel(dequantize_block, packed, scales_and_zeros, layout=layout)
+            block = (stored(packed, scales_and_zeros) if stored is not None
+                     else dequantize_block(packed, scales_and_zeros, layout=layout))  # fmt: skip
+            y[:, start : start + len(packed)] = F.linear(rows, block)
         return y
 
     def widened_block(self, block: torch.Tensor, start: int, end: int) -> None:
@@ -453,6 +481,13 @@ def unpack_default(packed: torch.Tensor) -> torch.Tensor:
 
 
 UNPACK = {"avx512": unpack_avx512, "avx2": unpack_avx2, "default": unpack_default}
+
+
+def dequantize_block(packed: torch.Tensor, scales_and_zeros: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rows packed by `pack` on a CPU (n, K/2) uint8, in torch's packing `layout` (a key of UNPACK: the layout is a
+    constant, so a compiled kernel of this reads it without the probe), and their scales_and_zeros (K/g, n, 2) ->
+    the rows they stand for in bf16, (n, K): each weight dequantized in fp32 and rounded to bf16 once."""
+    return dequantize(UNPACK[layout](packed), scales_and_zeros).bfloat16()
 
 
 @functools.cache
