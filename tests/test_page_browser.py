@@ -212,7 +212,10 @@ def test_a_server_error_is_shown_as_the_server_wrote_it(served, browser, tmp_pat
 def test_stop_aborts_a_long_answer_and_the_server_frees_its_blocks(served, browser, tmp_path):
     open_page(browser, served.url)
     settings(browser)
-    served.runner.delay = 0.05
+    # 0.2 s a step: the ~150-token answer cannot end in the engine for ~30 s, so the stop always reaches a request
+    # still running (at 0.05 s a step a full CI run on a loaded machine once saw the engine finish the answer while
+    # the page was still reading it; the stop then aborted nothing and no abort was counted)
+    served.runner.delay = 0.2
     served.script("The cache keeps the keys and values of every token. " * 15)
     ask(browser, "Talk for a long time.")
     wait(browser, lambda d: len(d.find_element(By.CSS_SELECTOR, ".message.assistant .answer").text) > 20)
