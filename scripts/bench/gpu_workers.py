@@ -193,10 +193,9 @@ def kernel_table(model, device: str, mode: str, new_tokens: int) -> tuple[dict, 
     return table, wall
 
 
-def fastest_of(model, device: str, mode: str, new_tokens: int, runs: int = 3) -> tuple[dict, float]:
+def fastest(tables: list[tuple[dict, float]]) -> tuple[dict, float]:
     """kernel_table's least time for each kernel, and the least wall time, over a few runs: a host busy with
     something else only ever adds time, and one slow short run made a step's time negative on a shared CPU."""
-    tables = [kernel_table(model, device, mode, new_tokens) for _ in range(runs)]
     fastest = {name: [launches, min(t[0][name][1] for t in tables if name in t[0])]
                for name, (launches, _) in tables[0][0].items()}  # fmt: skip
     return fastest, min(wall for _, wall in tables)
@@ -207,7 +206,10 @@ def profile_step(model, device: str, mode: str, top: int = 14) -> dict:
     rest is the GPU waiting on the host, or gaps between kernels), and the costliest kernels. A step is the
     difference of a 10-token and a 2-token run, over 8 (the prefill and the first token cancel out)."""
     kernel_table(model, device, mode, 2)  # the capture, cuBLAS's handles, lazy state
-    (short, wall_short), (long, wall_long) = fastest_of(model, device, mode, 2), fastest_of(model, device, mode, 10)
+    # the short and the long runs alternate: a host that slows down or speeds up over the runs moves both alike (the
+    # three short runs first, then the three long ones, once gave a negative step on a loaded 2-core CPU)
+    runs = [(kernel_table(model, device, mode, 2), kernel_table(model, device, mode, 10)) for _ in range(3)]
+    (short, wall_short), (long, wall_long) = fastest([s for s, _ in runs]), fastest([t for _, t in runs])
     step = {name: [(long[name][0] - short.get(name, [0, 0])[0]) / 8, (long[name][1] - short.get(name, [0, 0])[1]) / 8]
             for name in long}  # fmt: skip
     busy_us = sum(t for _, t in step.values())
